@@ -1,0 +1,19 @@
+"""Test setup: 8 simulated CPU devices, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if jax.default_backend() != "gpu":
+    skip = pytest.mark.skip(reason="needs a GPU (run with -m gpu on the H200)")
+    for item in items:
+      if "gpu" in item.keywords:
+        item.add_marker(skip)
