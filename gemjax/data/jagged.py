@@ -69,7 +69,9 @@ class JaggedBatch:
     for name, a in arrays.items():
       want = np.float32 if name in ("labels", "dense") else np.int32
       if a.dtype != want:
-        raise ValueError(f"JaggedBatch.{name} must be {want.__name__}, got {a.dtype}")
+        raise ValueError(
+          f"JaggedBatch.{name} must be {want.__name__}, got {a.dtype}"
+        )
       if a.shape[: len(lead)] != lead:
         raise ValueError(
           f"JaggedBatch.{name} has leading shape {a.shape[: len(lead)]}, "
@@ -91,14 +93,20 @@ class JaggedBatch:
     b = self.num_requests
     for name in ("user_id", "dense"):
       if arrays[name].shape[len(lead)] != b:
-        raise ValueError(f"JaggedBatch.{name} must have {b} rows (one per request)")
+        raise ValueError(
+          f"JaggedBatch.{name} must have {b} rows (one per request)"
+        )
     labels = arrays["labels"]
     bad = np.argwhere((labels != 0) & (labels != 1))
     if bad.size:
-      raise ValueError(f"labels must be 0 or 1; labels[{tuple(bad[0])}]={labels[tuple(bad[0])]}")
+      raise ValueError(
+        f"labels must be 0 or 1; labels[{tuple(bad[0])}]={labels[tuple(bad[0])]}"
+      )
     for name, a in arrays.items():
       feature = name.split(".", 1)[-1]
-      if vocab_sizes and name[:4] in ("seq.", "cand") and feature in vocab_sizes:
+      if (
+        vocab_sizes and name[:4] in ("seq.", "cand") and feature in vocab_sizes
+      ):
         rows = vocab_sizes[feature]
         bad = np.argwhere((a < 0) | (a >= rows))
         if bad.size:

@@ -69,7 +69,9 @@ def from_padded(x_bl, offsets_b, num_rows: int):
   b, max_len = x_bl.shape[:2]
   rows = jnp.arange(num_rows)
   # Sequence of each packed row, and the row's position inside it.
-  seq_t = jnp.clip(jnp.searchsorted(offsets_b, rows, side="right") - 1, 0, b - 1)
+  seq_t = jnp.clip(
+    jnp.searchsorted(offsets_b, rows, side="right") - 1, 0, b - 1
+  )
   pos_t = rows - offsets_b[seq_t]
   valid_t = (rows < offsets_b[-1]) & (pos_t < max_len)
   out = x_bl[seq_t, jnp.clip(pos_t, 0, max_len - 1)]
@@ -110,11 +112,14 @@ def jagged_attention_reference(
   group = n // kh
   # [b, l, n, h] -> [b, l, k, g, h]: query head i uses KV head i // group.
   q_blkgh = q_blnh.reshape(b, max_len_q, kh, group, h)
-  s_bkglm = jnp.einsum(
-    "blkgh,bmkh->bkglm",
-    q_blkgh.astype(jnp.float32),
-    k_bmkh.astype(jnp.float32),
-  ) * scale
+  s_bkglm = (
+    jnp.einsum(
+      "blkgh,bmkh->bkglm",
+      q_blkgh.astype(jnp.float32),
+      k_bmkh.astype(jnp.float32),
+    )
+    * scale
+  )
   mask_blm = q_valid[:, :, None] & k_valid[:, None, :]
   if causal:
     mask_blm &= jnp.arange(max_len_q)[:, None] >= jnp.arange(max_len_kv)
