@@ -1,0 +1,1 @@
+"""Named configs: `configs/<name>.py` exports `get_config() -> Config`."""

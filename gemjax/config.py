@@ -1,0 +1,180 @@
+"""Typed, frozen configs and the `--set key=value` override mechanism.
+
+A run is described by one `Config`: `model`, `data`, `train`, `mesh`. Named
+configs live in `configs/<name>.py`, each exporting `get_config()`; variants
+are made with `dataclasses.replace` or overrides such as
+`--set model.d_model=512 --set train.steps=200`. An override names a field
+path; a typo or a value of the wrong type fails at once and lists the valid
+keys.
+"""
+
+import dataclasses
+import importlib
+import pkgutil
+import types
+import typing
+
+from gemjax.data.config import DataConfig
+
+__all__ = ["Config", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  d_model: int = 64
+  num_layers: int = 2  # distinct stage-1 blocks
+  layer_order: tuple[int, ...] = ()  # O6: () = 0..num_layers-1
+  num_heads: int = 8  # O7 GQA: 8 query heads ...
+  num_kv_heads: int = 2  # ... share 2 KV heads
+  head_dim: int = 0  # 0 = d_model // num_heads
+  ffn_mult: float = 8 / 3  # SwiGLU width / d_model
+  qk_norm: bool = True  # O8
+  rope: bool = True
+  rope_theta: float = 10_000.0
+  causal: bool = False  # stage-1 self-attention
+  cross_layers: int = 1  # stage-2 candidate -> sequence blocks
+  emb_dim: int = 32  # one slice per table (O9), a multiple of 32
+  head_hidden: tuple[int, ...] = (128, 64)
+  dropout: float = 0.0  # heads' bottom MLP
+  tasks: tuple[str, ...] = ("ctr", "cvr")
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+  attention_implementation: str | None = None  # None = best for platform
+
+  def __post_init__(self):
+    if not self.head_dim and self.d_model % self.num_heads:
+      raise ValueError(
+        f"d_model={self.d_model} is not divisible by num_heads="
+        f"{self.num_heads}; set head_dim explicitly"
+      )
+
+  @property
+  def attn_head_dim(self) -> int:
+    """`head_dim`, or `d_model // num_heads` when it is 0 (auto)."""
+    return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  learning_rate: float = 2e-3  # AdamW peak, dense parameters
+  warmup_steps: int = 30
+  weight_decay: float = 0.01
+  embedding_learning_rate: float = 0.05  # row-wise Adagrad, tables
+  grad_clip_norm: float = 1.0
+  seed: int = 0
+  log_every: int = 10
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 2
+  eval_batches: int = 0  # 0 = the whole held-out set
+  run_dir: str = "runs/{config}"
+  progress: bool = True  # live progress line on stderr
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Devices per network tier, slowest first; -1 = whatever is left."""
+
+  cluster: int = 1
+  zone: int = 1
+  node: int = -1
+  strategy: str = "fsdp"  # a rule table in sharding.rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  name: str = "unnamed"
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  mesh: MeshConfig = MeshConfig()
+
+
+def available_configs() -> list[str]:
+  import configs
+
+  return sorted(
+    m.name
+    for m in pkgutil.iter_modules(configs.__path__)
+    if not m.name.startswith("_")
+  )
+
+
+def load(name: str, overrides: typing.Sequence[str] = ()) -> Config:
+  """`configs/<name>.py`'s `get_config()` with `key=value` overrides."""
+  names = available_configs()
+  if name not in names:
+    raise ValueError(f"unknown config {name!r}; available: {', '.join(names)}")
+  cfg = importlib.import_module(f"configs.{name}").get_config()
+  cfg = dataclasses.replace(cfg, name=name)
+  return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg, overrides: typing.Sequence[str]):
+  for item in overrides:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise ValueError(f"override {item!r} must look like key=value")
+    try:
+      cfg = _set(cfg, key.strip().split("."), raw.strip(), key.strip())
+    except KeyError:
+      raise ValueError(
+        f"unknown config key {key.strip()!r}; valid keys: "
+        f"{', '.join(valid_keys(cfg))}"
+      ) from None
+  return cfg
+
+
+def valid_keys(cfg, prefix: str = "") -> list[str]:
+  out = []
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    if dataclasses.is_dataclass(v):
+      out += valid_keys(v, f"{prefix}{f.name}.")
+    else:
+      out.append(f"{prefix}{f.name}")
+  return out
+
+
+def _set(obj, path, raw, full_key):
+  fields = {f.name: f for f in dataclasses.fields(obj)}
+  head = path[0]
+  if head not in fields:
+    raise KeyError(full_key)
+  current = getattr(obj, head)
+  if dataclasses.is_dataclass(current):
+    if len(path) == 1:
+      raise ValueError(f"{full_key!r} is a section; set one of its fields")
+    return dataclasses.replace(
+      obj, **{head: _set(current, path[1:], raw, full_key)}
+    )
+  if len(path) > 1:
+    raise KeyError(full_key)
+  hint = typing.get_type_hints(type(obj))[head]
+  try:
+    value = _parse(raw, hint)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{full_key}={raw!r}: expected {hint}: {e}") from None
+  return dataclasses.replace(obj, **{head: value})
+
+
+def _parse(raw: str, hint):
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(hint)
+    if raw.lower() in ("none", "null") and type(None) in args:
+      return None
+    hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+  if origin is tuple:
+    (elem, *_) = typing.get_args(hint)
+    parts = [p for p in raw.strip("()[] ").split(",") if p.strip()]
+    return tuple(_parse(p.strip(), elem) for p in parts)
+  if hint is bool:
+    if raw.lower() in ("true", "1", "yes"):
+      return True
+    if raw.lower() in ("false", "0", "no"):
+      return False
+    raise ValueError("not a bool")
+  if hint in (int, float, str):
+    return hint(raw)
+  raise TypeError(f"cannot parse {hint}")

@@ -1,0 +1,114 @@
+"""GQA attention with QK-norm and RoPE over packed jagged sequences.
+
+One module serves both stages:
+- stage 1 (self-attention over the user sequence): queries and keys are the
+  same packed tokens, `q_offsets == kv_offsets`, RoPE on in-sequence positions;
+- stage 2 (candidates over their request's sequence, O12 listwise squeeze):
+  queries are the packed candidates, keys/values are the stage-1 outputs. Each
+  request's K/V is computed once from its sequence and shared by all of its
+  candidates, so memory does not grow with candidates per request; no
+  candidate attends to another.
+
+GQA (O7): `n` query heads share `k` KV heads (default 8/2, KV memory / 4).
+QK-norm (O8): RMSNorm over the head dim on Q and K after projection.
+All attention goes through `pallas_kernels.jagged_attention`, so the Pallas
+kernel replaces the reference without model changes.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from gemjax.model.layers import Dense, RMSNorm, rope
+
+
+class Attention(nnx.Module):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    qk_norm: bool,
+    rngs: nnx.Rngs,
+    dtype,
+    implementation: str | None = None,
+  ):
+    if num_heads % num_kv_heads:
+      raise ValueError(
+        f"num_heads={num_heads} must be a multiple of num_kv_heads="
+        f"{num_kv_heads}"
+      )
+    self.n, self.k, self.h = num_heads, num_kv_heads, head_dim
+    self.q = Dense(
+      d_model, num_heads * head_dim, ("embed", "heads"), rngs=rngs, dtype=dtype
+    )
+    self.k_proj = Dense(
+      d_model,
+      num_kv_heads * head_dim,
+      ("embed", "kv_heads"),
+      rngs=rngs,
+      dtype=dtype,
+    )
+    self.v_proj = Dense(
+      d_model,
+      num_kv_heads * head_dim,
+      ("embed", "kv_heads"),
+      rngs=rngs,
+      dtype=dtype,
+    )
+    self.o = Dense(
+      num_heads * head_dim, d_model, ("heads", "embed"), rngs=rngs, dtype=dtype
+    )
+    self.q_norm = RMSNorm(head_dim, "head_dim") if qk_norm else None
+    self.k_norm = RMSNorm(head_dim, "head_dim") if qk_norm else None
+    self.implementation = implementation
+
+  def __call__(
+    self,
+    x_q,
+    x_kv,
+    q_offsets,
+    kv_offsets,
+    *,
+    max_len_q: int,
+    max_len_kv: int,
+    causal: bool = False,
+    q_pos=None,
+    kv_pos=None,
+    rope_theta: float = 10_000.0,
+  ):
+    """`x_q [t, d]`, `x_kv [s, d]` -> `[t, d]`; positions enable RoPE."""
+    t, s = x_q.shape[0], x_kv.shape[0]
+    q_tnh = self.q(x_q).reshape(t, self.n, self.h)
+    k_skh = self.k_proj(x_kv).reshape(s, self.k, self.h)
+    v_skh = self.v_proj(x_kv).reshape(s, self.k, self.h)
+    if self.q_norm is not None:
+      q_tnh, k_skh = self.q_norm(q_tnh), self.k_norm(k_skh)
+    if q_pos is not None:
+      q_tnh, k_skh = (
+        rope(q_tnh, q_pos, rope_theta),
+        rope(k_skh, kv_pos, rope_theta),
+      )
+    o_tnh = pallas_kernels.jagged_attention(
+      q_tnh,
+      k_skh,
+      v_skh,
+      q_offsets,
+      kv_offsets,
+      causal=causal,
+      max_len_q=max_len_q,
+      max_len_kv=max_len_kv,
+      implementation=self.implementation,
+    )
+    return self.o(o_tnh.reshape(t, self.n * self.h))
+
+
+def positions(offsets_b, capacity: int):
+  """Position of every packed row inside its sequence (0 past the data)."""
+  offsets_b = jnp.asarray(offsets_b)
+  rows = jnp.arange(capacity)
+  seg = jnp.searchsorted(offsets_b, rows, side="right") - 1
+  seg = jnp.clip(seg, 0, offsets_b.shape[0] - 2)
+  return jnp.where(rows < offsets_b[-1], rows - offsets_b[seg], 0)

@@ -1,0 +1,165 @@
+"""The ranking model: shared embeddings -> SeqFormer -> candidate attention ->
+multi-task heads.
+
+For one jagged batch (see `gemjax.data.jagged`):
+1. every history event becomes a token: its feature embeddings side by side
+   (O9 shared slices), projected to `d_model`; tokens past the data are zero;
+2. stage 1, `SeqFormer`, runs once per request over its unpadded sequence
+   (O10: no padding token is ever computed on);
+3. stage 2: each candidate is a query token (its embeddings plus the
+   request's dense features) that attends to its request's stage-1 outputs
+   (O12: the sequence and its K/V are computed once per request, whatever the
+   number of candidates);
+4. heads (O14): a shared bottom and one tower per task (CTR, CVR) give one
+   logit per candidate and task.
+
+A request with an empty history still scores its candidates (its attention
+output is zero); its sequence positions get zero gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
+from gemjax.model.embeddings import Embeddings
+from gemjax.model.layers import Dense, RMSNorm
+from gemjax.model.seqformer import Block, SeqFormer
+
+
+class CrossBlock(Block):
+  """Candidates attend to their request's sequence, then an FFN."""
+
+  def __call__(
+    self, c_cd, seq_td, cand_offsets, offsets, *, max_cands, max_len
+  ):
+    c_cd = c_cd + self.attn(
+      self.attn_norm(c_cd),
+      seq_td,
+      cand_offsets,
+      offsets,
+      max_len_q=max_cands,
+      max_len_kv=max_len,
+    )
+    return c_cd + self.ffn(self.ffn_norm(c_cd))
+
+
+class Heads(nnx.Module):
+  """Shared bottom MLP, then one tower per task; returns logits `[c, tasks]`."""
+
+  def __init__(
+    self, d_in: int, hidden: tuple[int, ...], num_tasks: int, *, rngs, dtype
+  ):
+    dims = (d_in, *hidden)
+    self.bottom = nnx.List(
+      [
+        Dense(a, b, ("mlp_in", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
+        for a, b in zip(dims[:-1], dims[1:], strict=True)
+      ]
+    )
+    self.towers = nnx.List(
+      [
+        Dense(
+          dims[-1],
+          1,
+          ("mlp", "task"),
+          rngs=rngs,
+          use_bias=True,
+          dtype=jnp.float32,
+        )
+        for _ in range(num_tasks)
+      ]
+    )
+
+  def __call__(self, x, *, dropout: float = 0.0, key=None):
+    for layer in self.bottom:
+      x = jax.nn.gelu(layer(x))
+      if dropout and key is not None:
+        key, sub = jax.random.split(key)
+        keep = jax.random.bernoulli(sub, 1 - dropout, x.shape)
+        x = jnp.where(keep, x / (1 - dropout), 0).astype(x.dtype)
+    return jnp.concatenate([t(x.astype(jnp.float32)) for t in self.towers], -1)
+
+
+class RankingModel(nnx.Module):
+  def __init__(
+    self, cfg, vocab_sizes: dict[str, int], num_dense: int, *, rngs: nnx.Rngs
+  ):
+    dtype = jnp.dtype(cfg.dtype)
+    e = cfg.emb_dim
+    self.cfg = cfg
+    self.embeddings = Embeddings(vocab_sizes, e, rngs=rngs)
+    self.token_proj = Dense(
+      len(SEQ_FEATURES) * e,
+      cfg.d_model,
+      ("table_dim", "embed"),
+      rngs=rngs,
+      dtype=dtype,
+    )
+    self.seqformer = SeqFormer(cfg, rngs=rngs, dtype=dtype)
+    self.cand_proj = Dense(
+      len(CAND_FEATURES) * e,
+      cfg.d_model,
+      ("table_dim", "embed"),
+      rngs=rngs,
+      dtype=dtype,
+    )
+    self.dense_proj = Dense(
+      max(num_dense, 1),
+      cfg.d_model,
+      ("dense", "embed"),
+      rngs=rngs,
+      use_bias=True,
+      dtype=dtype,
+    )
+    self.cross = nnx.List(
+      [CrossBlock(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.cross_layers)]
+    )
+    self.cand_norm = RMSNorm(cfg.d_model, "embed")
+    self.heads = Heads(
+      2 * cfg.d_model + e,
+      cfg.head_hidden,
+      len(cfg.tasks),
+      rngs=rngs,
+      dtype=dtype,
+    )
+    self.num_dense = num_dense
+
+  def __call__(self, batch, *, max_len: int, max_cands: int, key=None):
+    """One (unstacked) `JaggedBatch` -> logits `[c, tasks]` (f32)."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    t, c = batch.token_capacity, batch.cand_capacity
+    tok_valid = jnp.arange(t) < batch.offsets[-1]
+    x_td = self.token_proj(self.embeddings.concat(batch.seq, SEQ_FEATURES))
+    x_td = jnp.where(tok_valid[:, None], x_td, 0).astype(dtype)
+    seq_td = self.seqformer(x_td, batch.offsets, max_len=max_len)
+
+    # Request of each candidate row; rows past the data read request 0 and
+    # are masked out of the loss and metrics.
+    rows = jnp.arange(c)
+    req_c = jnp.clip(
+      jnp.searchsorted(batch.cand_offsets, rows, side="right") - 1,
+      0,
+      batch.num_requests - 1,
+    )
+    dense = (
+      batch.dense
+      if self.num_dense
+      else jnp.zeros((batch.num_requests, 1), jnp.float32)
+    )
+    user_bd = self.dense_proj(dense)
+    cand_emb = self.embeddings.concat(batch.cand, CAND_FEATURES)
+    c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
+    for blk in self.cross:
+      c_cd = blk(
+        c_cd,
+        seq_td,
+        batch.cand_offsets,
+        batch.offsets,
+        max_cands=max_cands,
+        max_len=max_len,
+      )
+    c_cd = self.cand_norm(c_cd)
+    item_emb = self.embeddings.lookup("item_id", batch.cand["item_id"])
+    feats = jnp.concatenate([c_cd, user_bd[req_c], item_emb.astype(dtype)], -1)
+    return self.heads(feats, dropout=self.cfg.dropout, key=key)

@@ -1,0 +1,1 @@
+"""Training: optimizer, jitted step, checkpoints, the loop and its CLI."""

@@ -1,0 +1,65 @@
+"""`python -m gemjax.train --config NAME [--set key=value ...]`.
+
+Trains a named config from `configs/`, prints a live progress line and a
+final metrics table, and leaves checkpoints and `metrics.jsonl` in the run
+directory (`train.run_dir`, default `runs/<config>`). Running it again on the
+same run directory resumes from the latest checkpoint.
+
+Multi-host: when `GEMJAX_COORDINATOR` (host:port), `GEMJAX_NUM_PROCESSES` and
+`GEMJAX_PROCESS_ID` are set, `jax.distributed.initialize` joins the processes
+before anything else touches a device.
+"""
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(
+    prog="python -m gemjax.train", description=__doc__.split("\n")[0]
+  )
+  p.add_argument("--config", default="smoke", help="name in configs/")
+  p.add_argument(
+    "--set",
+    dest="overrides",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a config field",
+  )
+  p.add_argument("--run-dir", default=None, help="default: train.run_dir")
+  args = p.parse_args(argv)
+
+  from gemjax import config as config_lib
+
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  _maybe_init_distributed()
+
+  from gemjax import metrics
+  from gemjax.train.loop import train
+
+  result = train(cfg, args.run_dir)
+  print(metrics.format_table(result))
+  return 0
+
+
+def _maybe_init_distributed() -> None:
+  coord = os.environ.get("GEMJAX_COORDINATOR")
+  if not coord:
+    return
+  import jax
+
+  jax.distributed.initialize(
+    coordinator_address=coord,
+    num_processes=int(os.environ["GEMJAX_NUM_PROCESSES"]),
+    process_id=int(os.environ["GEMJAX_PROCESS_ID"]),
+  )
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,290 @@
+"""The training loop, top to bottom.
+
+1. Build the mesh from the config's tiers and the loader for this process's
+   data shards (one shard per device).
+2. Build the model, place parameters by the strategy's logical-axis rules,
+   and restore the latest checkpoint of the run directory if there is one
+   (parameters, optimizer state, step, RNG and data position: an exact
+   resume).
+3. Step: jitted train step on the stacked batch, a live progress line, a
+   `metrics.jsonl` record every `log_every` steps, a checkpoint every
+   `checkpoint_every` steps and at the end.
+4. Evaluate on the held-out set and print per-task AUC, UAUC, NE, calibration.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+import sharding
+from gemjax import metrics
+from gemjax.data import loader as data_loader
+from gemjax.train import step as step_lib
+from gemjax.train.checkpoint import Checkpointer
+from gemjax.train.optim import make_optimizer
+from gemjax.train.state import build
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything a run needs, built once from a `Config`."""
+
+  cfg: object
+  run_dir: pathlib.Path
+  mesh: object
+  num_shards: int
+  model_def: object
+  tx: object
+  state_shardings: dict
+  batch_sharding: object
+
+  @classmethod
+  def create(cls, cfg, run_dir=None):
+    mesh = sharding.make_mesh(cfg.mesh.cluster, cfg.mesh.zone, cfg.mesh.node)
+    run_dir = pathlib.Path(run_dir or cfg.train.run_dir.format(config=cfg.name))
+    model_def, params = build(cfg, cfg.train.seed)
+    tx = make_optimizer(cfg.train)
+    state = _host_state(params, tx, cfg.train.seed)
+    axes = _state_axes(state, model_def.logical_axes)
+    shardings = sharding.tree_shardings(axes, state, mesh, cfg.mesh.strategy)
+    return cls(
+      cfg,
+      run_dir,
+      mesh,
+      mesh.size,
+      model_def,
+      tx,
+      shardings,
+      sharding.batch_sharding(mesh, cfg.mesh.strategy),
+    )
+
+  def init_state(self):
+    _, params = build(self.cfg, self.cfg.train.seed)
+    state = _host_state(params, self.tx, self.cfg.train.seed)
+    return jax.device_put(state, self.state_shardings)
+
+  @functools.cached_property
+  def _static(self):
+    d = self.cfg.data
+    return dict(
+      model_def=self.model_def, max_len=d.max_seq_len, max_cands=d.max_cands
+    )
+
+  @functools.cached_property
+  def train_step(self):
+    return jax.jit(
+      functools.partial(step_lib.train_step, tx=self.tx, **self._static),
+      in_shardings=(self.state_shardings, self.batch_sharding),
+      out_shardings=(self.state_shardings, None),
+      donate_argnums=0,
+    )
+
+  @functools.cached_property
+  def eval_step(self):
+    return jax.jit(
+      functools.partial(step_lib.eval_step, **self._static),
+      in_shardings=(self.state_shardings["params"], self.batch_sharding),
+    )
+
+  def to_device(self, batch):
+    """This process's shards (numpy) -> global arrays split over the mesh."""
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x),
+      batch,
+    )
+
+  def loader(self, split="train"):
+    return data_loader.Loader(
+      self.cfg.data,
+      num_shards=self.num_shards,
+      split=split,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+
+  def evaluate(self, params, max_batches: int = 0) -> dict:
+    acc = metrics.MetricAccumulator(self.cfg.model.tasks)
+    batches = data_loader.eval_batches(
+      self.cfg.data,
+      num_shards=self.num_shards,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+    for i, batch in enumerate(batches):
+      if max_batches and i >= max_batches:
+        break
+      probs = self.eval_step(params, self.to_device(batch))
+      probs = multihost_utils.process_allgather(probs, tiled=True)
+      full = (
+        multihost_utils.process_allgather(batch, tiled=True)
+        if (jax.process_count() > 1)
+        else batch
+      )
+      users, mask = metrics.candidate_rows(
+        full.user_id, full.cand_offsets, full.cand_capacity
+      )
+      acc.add(np.asarray(full.labels), np.asarray(probs), users, mask)
+    return acc.result()
+
+
+def _host_state(params, tx, seed: int) -> dict:
+  return {
+    "params": params,
+    "opt_state": tx.init(params),
+    "step": jnp.zeros((), jnp.int32),
+    "rng": jax.random.PRNGKey(seed),
+  }
+
+
+def _state_axes(state, param_axes):
+  """Logical axes for the whole state: optimizer moments follow their
+  parameter; row-wise accumulators follow the table's rows; scalars none."""
+  shapes = {}
+  flat_params = jax.tree_util.tree_flatten_with_path(state["params"])[0]
+  for path, x in flat_params:
+    axes = param_axes
+    for k in path:
+      axes = axes[k.key]
+    shapes.setdefault(x.shape, axes)
+
+  def axes_of(x):
+    if x.ndim == 0:
+      return ()
+    if x.shape in shapes:
+      return shapes[x.shape]
+    return (None,) * x.ndim if x.ndim > 1 else ("table_rows",)
+
+  return jax.tree.map(axes_of, state)
+
+
+class Progress:
+  """One live line on stderr: step, loss, samples/s, tokens/s, ETA."""
+
+  def __init__(self, total: int, start: int, enabled: bool):
+    self.total, self.start, self.enabled = total, start, enabled
+    self.t0 = time.perf_counter()
+    self.samples = self.tokens = 0
+
+  def add(self, samples: int, tokens: int) -> None:
+    self.samples += samples
+    self.tokens += tokens
+
+  def show(self, step: int, loss: float) -> dict:
+    dt = max(time.perf_counter() - self.t0, 1e-9)
+    eta = dt / max(step - self.start, 1) * (self.total - step)
+    rates = {
+      "samples_per_s": self.samples / dt,
+      "tokens_per_s": self.tokens / dt,
+    }
+    if self.enabled:
+      print(
+        f"\rstep {step}/{self.total}  loss {loss:.4f}  "
+        f"{rates['samples_per_s']:,.0f} samples/s  "
+        f"{rates['tokens_per_s']:,.0f} tokens/s  ETA {eta:4.0f}s",
+        end="",
+        file=sys.stderr,
+        flush=True,
+      )
+    return rates
+
+  def close(self):
+    if self.enabled:
+      print(file=sys.stderr, flush=True)
+
+
+def train(cfg, run_dir=None, *, stop_at: int | None = None) -> dict:
+  """Train `cfg` (resuming from `run_dir` if it holds a checkpoint).
+
+  `stop_at` ends the run early after that step (with a checkpoint), as if
+  the job had been killed there; the resume test uses it. Returns the final
+  evaluation metrics ({} when stopped early).
+  """
+  tr = Trainer.create(cfg, run_dir)
+  tr.run_dir.mkdir(parents=True, exist_ok=True)
+  main = jax.process_index() == 0
+  ckpt = Checkpointer(tr.run_dir / "checkpoints", cfg.train.keep_checkpoints)
+  state = tr.init_state()
+  loader = tr.loader()
+  start = ckpt.latest_step()
+  if start is not None:
+    state, data_state = ckpt.restore(start, state)
+    loader.restore(data_state)
+    if main:
+      print(f"resumed {tr.run_dir} at step {start}", file=sys.stderr)
+  step = int(start or 0)
+  total = cfg.train.steps
+  last = min(total, stop_at) if stop_at is not None else total
+  log = (tr.run_dir / "metrics.jsonl").open("a") if main else None
+  progress = Progress(total, step, cfg.train.progress and main)
+  if main:
+    _log(
+      log,
+      {
+        "event": "start",
+        "config": dataclasses.asdict(cfg),
+        "step": step,
+        "devices": tr.mesh.size,
+        "processes": jax.process_count(),
+      },
+    )
+  with tr.mesh:
+    while step < last:
+      batch = next(loader)
+      progress.add(
+        int(np.sum(batch.cand_offsets[:, -1])),
+        int(np.sum(batch.offsets[:, -1])),
+      )
+      state, m = tr.train_step(state, tr.to_device(batch))
+      step += 1
+      if step % cfg.train.log_every == 0 or step == last:
+        loss = float(m["loss"])
+        if not np.isfinite(loss):
+          raise FloatingPointError(f"loss is {loss} at step {step}")
+        rates = progress.show(step, loss)
+        if main:
+          _log(
+            log,
+            {
+              "event": "train",
+              "step": step,
+              "loss": loss,
+              "task_loss": np.asarray(m["task_loss"]).tolist(),
+              "grad_norm": float(m["grad_norm"]),
+              **rates,
+              "data": loader.counters,
+            },
+          )
+      if step % cfg.train.checkpoint_every == 0 or step == last:
+        ckpt.save(step, state, loader.state())
+    progress.close()
+    ckpt.wait()
+    if step < total:
+      ckpt.close()
+      return {}
+    result = tr.evaluate(state["params"], cfg.train.eval_batches)
+  ckpt.close()
+  if main:
+    _log(log, {"event": "eval", "step": step, "metrics": result})
+    log.close()
+  return result
+
+
+def _log(f, record: dict) -> None:
+  f.write(json.dumps(record, default=_json_default) + "\n")
+  f.flush()
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return str(x)

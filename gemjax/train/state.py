@@ -1,0 +1,45 @@
+"""The model as pure pytrees: build, bind parameters, and their placement.
+
+Training works on plain nested dicts of arrays (`params`), which optax,
+Orbax and `jax.jit` shardings all understand. `ModelDef` keeps what turns them
+back into an NNX module (`bind`) and each parameter's logical axes.
+"""
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from gemjax.model.ranking import RankingModel
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+  graphdef: nnx.GraphDef
+  template: nnx.State  # abstract state: shapes, dtypes, metadata
+  logical_axes: dict  # pure dict of tuples, parallel to params
+
+  def bind(self, params) -> RankingModel:
+    state = jax.tree.map(lambda x: x, self.template)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self.graphdef, state)
+
+
+def build(cfg, seed: int):
+  """`cfg` is a `Config`. Returns (ModelDef, params) with params on host."""
+  model = RankingModel(
+    cfg.model, cfg.data.vocab_sizes(), cfg.data.num_dense, rngs=nnx.Rngs(seed)
+  )
+  graphdef, state = nnx.split(model, nnx.Param)
+  axes = nnx.to_pure_dict(
+    jax.tree.map(
+      lambda v: v.get_metadata()["logical_axes"],
+      state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+  )
+  params = nnx.to_pure_dict(state)
+  template = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state
+  )
+  return ModelDef(graphdef, template, axes), params
