@@ -288,3 +288,25 @@ def _json_default(x):
   if isinstance(x, np.ndarray):
     return x.tolist()
   return str(x)
+
+
+def upscaled_start(src: Trainer, dst: Trainer, layer_map) -> None:
+  """Write `dst`'s step-0 checkpoint: `src`'s latest parameters with their
+  SeqFormer blocks copied and stacked by `layer_map` (O6), a fresh optimizer
+  state and a fresh data position."""
+  from gemjax.train.upscale import copy_and_stack
+
+  src_ckpt = Checkpointer(src.run_dir / "checkpoints")
+  step = src_ckpt.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {src.run_dir}")
+  state, _ = src_ckpt.restore(step, src.init_state())
+  src_ckpt.close()
+  params = copy_and_stack(jax.device_get(state["params"]), layer_map)
+  new = jax.device_put(
+    _host_state(params, dst.tx, dst.cfg.train.seed), dst.state_shardings
+  )
+  out = Checkpointer(dst.run_dir / "checkpoints")
+  out.save(0, new, dst.loader().state())
+  out.wait()
+  out.close()

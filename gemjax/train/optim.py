@@ -15,10 +15,6 @@ import jax.numpy as jnp
 import optax
 
 
-class RowwiseAdagradState(optax.OptState):
-  pass
-
-
 def rowwise_adagrad(
   learning_rate: float, initial_accumulator: float = 0.1, eps: float = 1e-10
 ) -> optax.GradientTransformation:

@@ -1,0 +1,62 @@
+"""Named configs and `--set` overrides."""
+
+import pytest
+
+from gemjax import config
+
+
+def test_every_named_config_loads():
+  names = config.available_configs()
+  assert {"smoke", "onetrans_v31"} <= set(names)
+  for name in names:
+    cfg = config.load(name)
+    assert cfg.name == name
+
+
+def test_overrides_are_typed():
+  cfg = config.load(
+    "smoke",
+    [
+      "model.d_model=96",
+      "train.steps=7",
+      "model.layer_order=0,1,1",
+      "model.rope=false",
+      "model.attention_implementation=none",
+    ],
+  )
+  assert cfg.model.d_model == 96 and cfg.model.attn_head_dim == 12
+  assert cfg.train.steps == 7
+  assert cfg.model.layer_order == (0, 1, 1)
+  assert cfg.model.rope is False
+  assert cfg.model.attention_implementation is None
+
+
+def test_unknown_config_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="available: .*smoke"):
+    config.load("smok")
+
+
+@pytest.mark.parametrize(
+  "item, match",
+  [
+    (
+      "model.dmodel=3",
+      "unknown config key 'model.dmodel'; valid keys: .*model.d_model",
+    ),
+    ("modle.d_model=3", "unknown config key 'modle.d_model'"),
+    ("model=3", "is a section"),
+    ("model.d_model=abc", "model.d_model='abc': expected"),
+    ("model.rope=maybe", "not a bool"),
+    ("train.steps", "must look like key=value"),
+  ],
+)
+def test_bad_override_fails_clearly(item, match):
+  with pytest.raises(ValueError, match=match):
+    config.load("smoke", [item])
+
+
+def test_cli_rejects_bad_key(capsys):
+  from gemjax.train.__main__ import main
+
+  assert main(["--config", "smoke", "--set", "model.nope=1"]) == 2
+  assert "valid keys" in capsys.readouterr().err
