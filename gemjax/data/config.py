@@ -1,0 +1,183 @@
+"""`DataConfig`: everything that decides which batches the loader yields.
+
+One frozen, typed dataclass (nested as `Config.data` by `gemjax.config`).
+Its defaults describe the seeds' 2K traffic (OneTrans V3.1, O1): user
+histories whose length is log-normal (median 1,100 events, sigma 0.6) capped
+at 2,048, a few users with no history at all, four action types with a
+realistic skew, Zipf-popular items and categories, timestamps and prices, and
+several candidate items per request labelled for CTR and conversion.
+
+Static shapes of one data-parallel shard's batch (legend of STYLE.md):
+  b = `requests_per_shard`   requests (rows of `offsets`, minus one)
+  t = `token_capacity`       history events in the flat token buffer
+  c = `cand_capacity`        candidate rows
+  f = `num_dense`            dense request features
+
+Sizing rule: `token_capacity` ~ b * mean history length * (1 + a few %);
+`expected_tokens_per_request()` gives the mean of the synthetic traffic. A
+request that does not fit goes to the next batch (counted), so a tight buffer
+costs a little reordering, never data.
+
+Labels: `labels[:, 0]` is CTR (the candidate was clicked), `labels[:, 1]` is
+conversion *over all candidates* (clicked AND then ordered; ESMM's "CTCVR"),
+so both heads train with plain BCE on every candidate row. The synthetic
+hidden model draws it as click ~ Bernoulli(p_ctr), then, only if clicked,
+order ~ Bernoulli(p_cvr | click); the true conversion probability of a
+candidate is p_ctr * p_cvr|click.
+
+Vocabulary sizes (`vocab_sizes()`): every int feature column of `seq` and
+`cand` and the `user_id` table. History and candidate columns of the same name
+(`item_id`, `category_id`, `price`) index the same table, O9.
+"""
+
+import dataclasses
+import math
+
+# Action types in id order. Quota priorities are configured separately.
+ACTIONS: tuple[str, ...] = ("impression", "click", "cart", "order")
+ACTION_ID: dict[str, int] = {a: i for i, a in enumerate(ACTIONS)}
+
+SEQ_FEATURES = ("item_id", "category_id", "action", "ts_delta", "ts_to_req")
+SEQ_FEATURES = SEQ_FEATURES + ("price",)
+CAND_FEATURES = ("item_id", "category_id", "price")
+TASKS = ("ctr", "cvr")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # Source: "synthetic" (generated event logs), "movielens" or "taobao"
+  # (files at `path`, read by gemjax.data.events).
+  source: str = "synthetic"
+  path: str = ""
+  seed: int = 0
+
+  # Tables. Ids are rows: item ids and category ids are Zipf-popular (row 0 is
+  # the most popular); real logs hash their raw ids into these tables.
+  num_items: int = 200_000
+  num_categories: int = 2_000
+  num_users: int = 100_000
+  num_dense: int = 8
+
+  # History (sequence) building, O1-O4.
+  max_seq_len: int = 2048
+  # Action quota O2, in priority order: (action, cap). Unused quota of a type
+  # passes to the next type in this order, except into the types named in
+  # `no_backfill`, which never exceed their own cap (impressions: hard 100).
+  quota: tuple[tuple[str, int], ...] = (
+    ("order", 512),
+    ("cart", 512),
+    ("click", 924),
+    ("impression", 100),
+  )
+  no_backfill: tuple[str, ...] = ("impression",)
+  # Dedup rule: "none"; "consecutive" (drop an event equal in item and action
+  # to the previous event of the same history); "item_action" (keep only the
+  # newest event per (item, action)); "item" (keep only the newest per item).
+  dedup: str = "consecutive"
+  # Bad input: "error" (raise, naming file and line) or "skip" (count it).
+  on_bad_input: str = "error"
+
+  # Context features O3: log-bucketed ids (see gemjax.data.features).
+  # Bucket k >= 1 holds x in [base^(k-1) - 1, base^k - 1); 0 means missing.
+  ts_bucket_base: float = 2.0  # seconds: [0,1), [1,3), [3,7), ... ~34 years
+  ts_buckets: int = 32
+  price_bucket_base: float = 1.5  # price units: [0,.5), [.5,1.25), ...
+  price_buckets: int = 48
+
+  # Synthetic traffic.
+  len_median: float = 1100.0
+  len_sigma: float = 0.6
+  zero_len_frac: float = 0.01
+  min_cands: int = 4
+  max_cands: int = 12
+  item_zipf: float = 1.1
+  category_zipf: float = 1.1
+
+  # Batches of one data-parallel shard (static shapes b, t, c).
+  requests_per_shard: int = 32
+  token_capacity: int = 40_960
+  cand_capacity: int = 384
+
+  # Batching: "bbs" (Base Batch Shuffling, G10) or "random" (stream order).
+  batching: str = "bbs"
+  bbs_minibatch: int = 4  # the seed's 128 at 1,024 requests per rank
+  bbs_pool_batches: int = 8  # full batches pooled, sorted and paired at once
+  # What BBS balances: "tokens" (the seed: sum of lengths), "attn" (sum of
+  # len^2) or "cost" (FLOPs of one OneTrans layer, a*len + b*len^2).
+  bbs_weight: str = "cost"
+  prefetch: int = 2  # batches produced ahead by the background thread
+
+  eval_requests: int = 4096
+
+  def __post_init__(self):
+    _check(self.source in ("synthetic", "movielens", "taobao"), "source")
+    _check(
+      self.dedup in ("none", "consecutive", "item_action", "item"), "dedup"
+    )
+    _check(self.on_bad_input in ("error", "skip"), "on_bad_input")
+    _check(self.batching in ("bbs", "random"), "batching")
+    _check(self.bbs_weight in ("tokens", "attn", "cost"), "bbs_weight")
+    names = [a for a, _ in self.quota]
+    _check(
+      sorted(names) == sorted(set(names)) and set(names) <= set(ACTIONS),
+      f"quota names must be distinct actions of {ACTIONS}, got {names}",
+    )
+    _check(all(c >= 0 for _, c in self.quota), "quota caps must be >= 0")
+    _check(set(self.no_backfill) <= set(ACTIONS), "no_backfill")
+    _check(self.max_seq_len >= 1, "max_seq_len")
+    _check(
+      self.token_capacity >= self.max_seq_len,
+      f"token_capacity {self.token_capacity} < max_seq_len "
+      f"{self.max_seq_len}: a full-length history could never fit",
+    )
+    _check(1 <= self.min_cands <= self.max_cands, "min_cands <= max_cands")
+    _check(
+      self.cand_capacity >= self.max_cands,
+      f"cand_capacity {self.cand_capacity} < max_cands {self.max_cands}",
+    )
+    _check(
+      self.requests_per_shard % self.bbs_minibatch == 0,
+      f"requests_per_shard {self.requests_per_shard} must be a multiple of "
+      f"bbs_minibatch {self.bbs_minibatch}",
+    )
+    _check(self.bbs_pool_batches >= 1, "bbs_pool_batches")
+    _check(self.num_items >= 1 and self.num_categories >= 1, "tables")
+    _check(self.num_categories <= self.num_items, "num_categories")
+    _check(self.ts_buckets >= 3 and self.price_buckets >= 3, "buckets")
+    _check(self.ts_bucket_base > 1 and self.price_bucket_base > 1, "bases")
+    _check(0 <= self.zero_len_frac < 1, "zero_len_frac")
+    _check(self.eval_requests >= 0, "eval_requests")
+
+  def vocab_sizes(self) -> dict[str, int]:
+    """Rows of every int feature table (seq, cand and `user_id`)."""
+    return vocab_sizes(self)
+
+  def expected_tokens_per_request(self) -> float:
+    """Mean built history length of the synthetic traffic (for sizing t).
+
+    E[min(X, m)] of a log-normal X with median M and sigma s:
+      e^(mu + s^2/2) Phi((ln m - mu - s^2)/s) + m (1 - Phi((ln m - mu)/s)),
+    times the fraction of users that have a history at all.
+    """
+    mu, s, m = math.log(self.len_median), self.len_sigma, self.max_seq_len
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    below = math.exp(mu + s * s / 2) * phi((math.log(m) - mu - s * s) / s)
+    above = m * (1 - phi((math.log(m) - mu) / s))
+    return (1 - self.zero_len_frac) * (below + above)
+
+
+def vocab_sizes(cfg: DataConfig) -> dict[str, int]:
+  return {
+    "item_id": cfg.num_items,
+    "category_id": cfg.num_categories,
+    "action": len(ACTIONS),
+    "ts_delta": cfg.ts_buckets,
+    "ts_to_req": cfg.ts_buckets,
+    "price": cfg.price_buckets,
+    "user_id": cfg.num_users,
+  }
+
+
+def _check(ok: bool, what: str = "") -> None:
+  if not ok:
+    raise ValueError(f"invalid DataConfig: {what}")

@@ -1,0 +1,353 @@
+"""The training and evaluation iterators: blocks -> planned batches -> buffers.
+
+Each data-parallel shard (global index `s` of `num_shards`) owns an
+independent, infinite stream of *blocks*: block `k` of shard `s` is
+`bbs_pool_batches * requests_per_shard` requests, a pure function of
+(cfg.seed, split, s, k). A block is built (request builder, labels) once,
+planned into `bbs_pool_batches` full batches (BBS or stream order, see
+`bbs.py`) and consumed one batch per step. A process only ever builds its
+own shards' blocks, so hosts read disjoint data without talking.
+
+Packing never loses a request: the planned batch of a step is appended to the
+shard's *carry* (requests deferred earlier, first in line) and `first_fit`
+takes what fits the static buffers (b requests, t tokens, c candidates); the
+rest is carried to the next step (counter `carried_over`, one per deferral).
+
+State. A position is (block, step in block, carried request ids as
+[block, index] pairs, counters): small and JSON-serializable. `restore`
+rebuilds the referenced blocks from the seed, so a resumed loader yields
+exactly the batches the uninterrupted one would have. With `prefetch > 0` a
+background thread produces batches ahead; `state()` always describes the
+position after the last batch *returned*, not produced.
+
+Eval (`eval_batches`) packs the fixed held-out requests (synthetic split 1,
+`cfg.eval_requests` of them, disjoint streams from training) greedily in
+order: step by step, shard by shard. Its batches depend on `num_shards` but
+the set of requests does not; every process computes the same plan and
+keeps its own shards.
+"""
+
+import copy
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from gemjax.data import bbs, synthetic
+from gemjax.data.config import DataConfig
+from gemjax.data.jagged import JaggedBatch, stack
+
+_STATE_VERSION = 1
+
+
+def _local_shards(num_shards, process_index, process_count) -> range:
+  if num_shards % process_count:
+    raise ValueError(
+      f"num_shards {num_shards} is not a multiple of process_count "
+      f"{process_count}"
+    )
+  per = num_shards // process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} of {process_count}")
+  return range(process_index * per, (process_index + 1) * per)
+
+
+class _Blocks:
+  """Built blocks of the local shards, with their plans, cached while needed."""
+
+  def __init__(self, cfg: DataConfig):
+    self.cfg = cfg
+    self.pool = cfg.bbs_pool_batches * cfg.requests_per_shard
+    self._cache: dict[tuple[int, int], tuple] = {}
+
+  def get(self, shard: int, block: int, counters=None):
+    """(pool, plan) of a block; adds its build counters to `counters`."""
+    key = (shard, block)
+    if key not in self._cache:
+      cfg = self.cfg
+      built = {}
+      pool = synthetic.make_block(
+        cfg, synthetic.TRAIN, shard, block, self.pool, built
+      )
+      if cfg.batching == "bbs":
+        w = bbs.sample_weight(np.diff(pool.offsets), cfg.bbs_weight)
+        plan = bbs.plan_bbs(w, cfg.requests_per_shard, cfg.bbs_minibatch)
+      else:
+        plan = bbs.plan_random(self.pool, cfg.requests_per_shard)
+      self._cache[key] = (pool, plan, built)
+    pool, plan, built = self._cache[key]
+    if counters is not None:
+      for k, v in built.items():
+        counters[k] = counters.get(k, 0) + v
+    return pool, plan
+
+  def keep_only(self, needed: set) -> None:
+    for key in list(self._cache):
+      if key not in needed:
+        del self._cache[key]
+
+
+class Loader:
+  """Iterator of numpy JaggedBatches stacked to [local shards, ...]."""
+
+  def __init__(
+    self,
+    cfg: DataConfig,
+    *,
+    num_shards: int,
+    split: str = "train",
+    process_index: int = 0,
+    process_count: int = 1,
+  ):
+    if cfg.source != "synthetic":
+      raise NotImplementedError(
+        f"source {cfg.source!r}: use gemjax.data.events readers"
+      )
+    if split not in ("train", "eval"):
+      raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    self.cfg = cfg
+    self.num_shards = num_shards
+    self.split = split
+    self.shards = _local_shards(num_shards, process_index, process_count)
+    self._blocks = _Blocks(cfg)
+    self._eval = None
+    self._pos = self._initial_position()
+    self._visible = copy.deepcopy(self._pos)
+    self._thread = None
+    self._queue = None
+    self._stop = None
+
+  # -- position -------------------------------------------------------------
+
+  def _initial_position(self) -> dict:
+    return {
+      "version": _STATE_VERSION,
+      "split": self.split,
+      "num_shards": self.num_shards,
+      "step": 0,  # batches yielded so far
+      "block": 0,
+      "step_in_block": 0,
+      "carry": {str(s): [] for s in self.shards},
+      "counters": {},
+    }
+
+  def state(self) -> dict:
+    """JSON-serializable position after the last batch returned."""
+    return copy.deepcopy(self._visible)
+
+  def restore(self, state: dict) -> None:
+    """Continue exactly where `state` was taken."""
+    if state.get("version") != _STATE_VERSION:
+      raise ValueError(f"loader state version {state.get('version')}")
+    want = {"split": self.split, "num_shards": self.num_shards}
+    got = {k: state.get(k) for k in want}
+    if got != want or set(state["carry"]) != {str(s) for s in self.shards}:
+      raise ValueError(f"loader state is for {got}, this loader is {want}")
+    self._stop_thread()
+    self._pos = copy.deepcopy(state)
+    self._visible = copy.deepcopy(state)
+    self._eval = None
+
+  @property
+  def counters(self) -> dict[str, int]:
+    """Build and packing counters (truncations, carries, dedup, quota, ...)."""
+    return dict(self._visible["counters"])
+
+  # -- iteration ------------------------------------------------------------
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> JaggedBatch:
+    if self.cfg.prefetch <= 0:
+      batch, pos = self._produce()
+      self._visible = pos
+      return batch
+    if self._thread is None:
+      self._start_thread()
+    item = self._queue.get()
+    if isinstance(item, BaseException):
+      self._thread = None
+      raise item
+    batch, pos = item
+    self._visible = pos
+    return batch
+
+  def close(self) -> None:
+    self._stop_thread()
+
+  def _start_thread(self):
+    self._queue = queue.Queue(maxsize=self.cfg.prefetch)
+    self._stop = threading.Event()
+    stop, q = self._stop, self._queue
+
+    def work():
+      while not stop.is_set():
+        try:
+          item = self._produce()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+          item = e
+        while not stop.is_set():
+          try:
+            q.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if isinstance(item, BaseException):
+          return
+
+    self._thread = threading.Thread(target=work, daemon=True, name="loader")
+    self._thread.start()
+
+  def _stop_thread(self):
+    if self._thread is not None:
+      self._stop.set()
+      self._thread.join()
+      self._thread = None
+      # Produced but not returned batches are dropped; the position goes
+      # back to what the consumer saw.
+      self._pos = copy.deepcopy(self._visible)
+
+  def _produce(self) -> tuple[JaggedBatch, dict]:
+    if self.split == "eval":
+      return self._produce_eval()
+    cfg, pos = self.cfg, self._pos
+    counters = pos["counters"]
+    k, j = pos["block"], pos["step_in_block"]
+    out = []
+    for s in self.shards:
+      pool, plan = self._blocks.get(s, k, counters if j == 0 else None)
+      carry = pos["carry"][str(s)]
+      queue_ = [tuple(x) for x in carry] + [(k, int(i)) for i in plan[j]]
+      lens, ncands = [], []
+      for b, i in queue_:
+        p = self._blocks.get(s, b)[0]
+        lens.append(int(p.offsets[i + 1] - p.offsets[i]))
+        ncands.append(int(p.cand_offsets[i + 1] - p.cand_offsets[i]))
+      take, rest = bbs.first_fit(
+        lens,
+        ncands,
+        cfg.requests_per_shard,
+        cfg.token_capacity,
+        cfg.cand_capacity,
+      )
+      counters["carried_over"] = counters.get("carried_over", 0) + len(rest)
+      counters["requests"] = counters.get("requests", 0) + len(take)
+      counters["tokens"] = counters.get("tokens", 0) + sum(
+        lens[i] for i in take
+      )
+      parts = _group_by_block([queue_[i] for i in take], self._blocks, s)
+      if not parts:
+        parts = [(pool, np.zeros(0, np.int64))]
+      out.append(
+        bbs.gather(
+          parts, cfg.requests_per_shard, cfg.token_capacity, cfg.cand_capacity
+        )
+      )
+      pos["carry"][str(s)] = [list(queue_[i]) for i in rest]
+      if len(rest) > 4 * cfg.requests_per_shard:
+        raise RuntimeError(
+          f"shard {s}: {len(rest)} requests waiting; token_capacity "
+          f"{cfg.token_capacity} / cand_capacity {cfg.cand_capacity} are "
+          f"too small for {cfg.requests_per_shard} requests per shard"
+        )
+    pos["step"] += 1
+    pos["step_in_block"] += 1
+    if pos["step_in_block"] == cfg.bbs_pool_batches:
+      pos["block"] += 1
+      pos["step_in_block"] = 0
+    needed = {(s, pos["block"]) for s in self.shards}
+    needed |= {(s, b) for s in self.shards for b, _ in pos["carry"][str(s)]}
+    self._blocks.keep_only(needed)
+    return stack(out), copy.deepcopy(pos)
+
+  def _produce_eval(self):
+    if self._eval is None:
+      self._eval = _eval_plan(self.cfg, self.num_shards)
+    plan, pools = self._eval
+    pos = self._pos
+    if pos["step"] >= len(plan):
+      raise StopIteration
+    batch = stack(
+      [_eval_shard(self.cfg, plan[pos["step"]][s], pools) for s in self.shards]
+    )
+    pos["step"] += 1
+    return batch, copy.deepcopy(pos)
+
+
+def _group_by_block(refs, blocks: _Blocks, shard: int):
+  parts = []
+  for b, i in refs:
+    if parts and parts[-1][0] == b:
+      parts[-1][1].append(i)
+    else:
+      parts.append((b, [i]))
+  return [(blocks.get(shard, b)[0], np.array(ix, np.int64)) for b, ix in parts]
+
+
+def _eval_plan(cfg: DataConfig, num_shards: int):
+  """Greedy in-order packing of the eval set: plan[step][shard] = refs."""
+  pools = list(synthetic.eval_blocks(cfg))
+  refs = [(b, i) for b, p in enumerate(pools) for i in range(p.num_requests)]
+  plan, cur, shard = [], [], []
+  n_t = n_c = 0
+  for b, i in refs:
+    p = pools[b]
+    ln = int(p.offsets[i + 1] - p.offsets[i])
+    nc = int(p.cand_offsets[i + 1] - p.cand_offsets[i])
+    if (
+      len(shard) == cfg.requests_per_shard
+      or n_t + ln > cfg.token_capacity
+      or n_c + nc > cfg.cand_capacity
+    ):
+      cur.append(shard)
+      shard, n_t, n_c = [], 0, 0
+      if len(cur) == num_shards:
+        plan.append(cur)
+        cur = []
+    shard.append((b, i))
+    n_t += ln
+    n_c += nc
+  if shard:
+    cur.append(shard)
+  if cur:
+    cur += [[] for _ in range(num_shards - len(cur))]
+    plan.append(cur)
+  return plan, pools
+
+
+def _eval_shard(cfg, refs, pools) -> JaggedBatch:
+  parts = []
+  for b, i in refs:
+    if parts and parts[-1][0] == b:
+      parts[-1][1].append(i)
+    else:
+      parts.append((b, [i]))
+  parts = [(pools[b], np.array(ix, np.int64)) for b, ix in parts]
+  if not parts:
+    parts = [(pools[0], np.zeros(0, np.int64))]
+  return bbs.gather(
+    parts, cfg.requests_per_shard, cfg.token_capacity, cfg.cand_capacity
+  )
+
+
+def eval_batches(
+  cfg: DataConfig,
+  *,
+  num_shards: int,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> Iterator[JaggedBatch]:
+  """The held-out set, once, as batches stacked to [local shards, ...]."""
+  loader = Loader(
+    cfg,
+    num_shards=num_shards,
+    split="eval",
+    process_index=process_index,
+    process_count=process_count,
+  )
+  try:
+    yield from loader
+  finally:
+    loader.close()
