@@ -217,6 +217,21 @@ def seq_features(offsets, cols, seg, req_ts, cfg) -> dict[str, np.ndarray]:
   }
 
 
+def assemble(req: Requests, offsets, cols, seg, cfg, labels=None):
+  """A JaggedBatch with exact capacities from built sequences and requests."""
+  from gemjax.data.jagged import JaggedBatch
+
+  return JaggedBatch(
+    offsets=offsets.astype(np.int32),
+    seq=seq_features(offsets, cols, seg, req.ts, cfg),
+    cand_offsets=req.cand_offsets.astype(np.int32),
+    cand=cand_features(req, cfg),
+    labels=(req.labels if labels is None else labels).astype(np.float32),
+    user_id=req.user_row.astype(np.int32),
+    dense=req.dense.astype(np.float32),
+  )
+
+
 def cand_features(req: Requests, cfg) -> dict[str, np.ndarray]:
   return {
     "item_id": req.cand_item.astype(np.int32),

@@ -45,8 +45,9 @@ TASKS = ("ctr", "cvr")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # Source: "synthetic" (generated event logs), "movielens" or "taobao"
-  # (files at `path`, read by gemjax.data.events).
+  # Source: "synthetic" (generated event logs), or a file at `path` read by
+  # gemjax.data.events: "movielens" (ratings.dat / ratings.csv), "taobao"
+  # (UserBehavior.csv) or "events" (gemjax's own event CSV).
   source: str = "synthetic"
   path: str = ""
   seed: int = 0
@@ -76,6 +77,34 @@ class DataConfig:
   dedup: str = "consecutive"
   # Bad input: "error" (raise, naming file and line) or "skip" (count it).
   on_bad_input: str = "error"
+  # An event earlier than its user's previous one in file order: "sort"
+  # (reorder, counted as `reordered`), "error" or "skip" (counted).
+  time_order: str = "sort"
+
+  # Real logs (gemjax.data.events): rating -> action (min rating, action),
+  # below every threshold an impression; Taobao behaviour -> action.
+  rating_actions: tuple[tuple[float, str], ...] = (
+    (5.0, "order"),
+    (4.0, "cart"),
+    (3.0, "click"),
+  )
+  taobao_actions: tuple[tuple[str, str], ...] = (
+    ("pv", "click"),
+    ("fav", "cart"),
+    ("cart", "cart"),
+    ("buy", "order"),
+  )
+  read_chunk_bytes: int = 8 << 20
+  # Requests from a log: a user's events are cut into sessions at gaps
+  # longer than `session_gap_s`; every session after the first is a request
+  # at its first event's time whose candidates are the session's items (at
+  # most max_cands - neg_per_request per request; longer sessions make more
+  # requests), labelled by what the user did, plus `neg_per_request` items
+  # sampled by popularity, labelled (0, 0). Users whose hash falls in
+  # `eval_user_frac` form the held-out set.
+  session_gap_s: int = 1800
+  neg_per_request: int = 2
+  eval_user_frac: float = 0.1
 
   # Context features O3: log-bucketed ids (see gemjax.data.features).
   # Bucket k >= 1 holds x in [base^(k-1) - 1, base^k - 1); 0 means missing.
@@ -110,11 +139,20 @@ class DataConfig:
   eval_requests: int = 4096
 
   def __post_init__(self):
-    _check(self.source in ("synthetic", "movielens", "taobao"), "source")
+    _check(
+      self.source in ("synthetic", "movielens", "taobao", "events"), "source"
+    )
     _check(
       self.dedup in ("none", "consecutive", "item_action", "item"), "dedup"
     )
     _check(self.on_bad_input in ("error", "skip"), "on_bad_input")
+    _check(self.time_order in ("sort", "error", "skip"), "time_order")
+    _check(
+      all(a in ACTIONS for _, a in self.rating_actions + self.taobao_actions),
+      "rating_actions / taobao_actions name unknown actions",
+    )
+    _check(0 <= self.neg_per_request < self.max_cands, "neg_per_request")
+    _check(0 <= self.eval_user_frac < 1, "eval_user_frac")
     _check(self.batching in ("bbs", "random"), "batching")
     _check(self.bbs_weight in ("tokens", "attn", "cost"), "bbs_weight")
     names = [a for a, _ in self.quota]

@@ -205,3 +205,582 @@ def ranges(start, end) -> np.ndarray:
   # Each run's first index minus the running position, repeated over the run.
   csum = np.cumsum(lens) - lens
   return np.repeat(start - csum, lens) + np.arange(total, dtype=np.int64)
+
+
+# -- Readers --------------------------------------------------------------
+#
+# Real logs are text. A file is read in chunks of `chunk_bytes` (cut at a line
+# end), so parsing memory is bounded by the chunk, and only the compact
+# columns of the rows this process keeps accumulate (21 bytes per event).
+# Each chunk goes through numpy's C parser first (`np.loadtxt` on the
+# separator-normalised bytes); only a chunk that fails is re-read line by
+# line, to name the bad line or skip it. Bad input is never dropped silently:
+# with `on_bad_input="error"` the first bad line raises `BadInputError`
+# "<file>:<line>: <what>"; with "skip" the line is dropped and counted
+# (`skipped_<reason>` in the caller's counters).
+
+
+class BadInputError(ValueError):
+  """A malformed or inconsistent input row, named by file and line."""
+
+
+def hash_rows(raw, rows: int) -> np.ndarray:
+  """Raw int64 ids -> table rows in [0, rows) by a splitmix64 hash (int32)."""
+  x = np.asarray(raw, np.int64).astype(np.uint64)
+  with np.errstate(over="ignore"):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+  return (x % np.uint64(rows)).astype(np.int32)
+
+
+def _count(counters, key, n=1):
+  if counters is not None and n:
+    counters[key] = counters.get(key, 0) + int(n)
+
+
+class _Bad:
+  """Raise or count one bad line."""
+
+  def __init__(self, path, mode, counters):
+    if mode not in ("error", "skip"):
+      raise ValueError(f"on_bad_input must be 'error' or 'skip', got {mode!r}")
+    self.path, self.mode, self.counters = path, mode, counters
+
+  def __call__(self, line_no: int, reason: str, what: str):
+    if self.mode == "error":
+      raise BadInputError(f"{self.path}:{line_no}: {what}")
+    _count(self.counters, f"skipped_{reason}")
+
+
+def read_table(
+  path,
+  *,
+  sep: str,
+  ncols: int,
+  header: bool = False,
+  codes: dict | None = None,
+  code_col: int | None = None,
+  chunk_bytes: int = 8 << 20,
+  on_bad_input: str = "error",
+  counters=None,
+):
+  """Yield (line numbers int64[m], values float64[m, ncols]) chunk by chunk.
+
+  `codes` maps the text values of column `code_col` (e.g. b"pv") to numbers;
+  an unknown text value is a bad line (reason `unknown_action`). Empty lines
+  are skipped silently only at the very end of the file.
+  """
+  bad = _Bad(path, on_bad_input, counters)
+  sep_b = sep.encode()
+  line0 = 1
+  rest = b""
+  with open(path, "rb") as f:
+    if header:
+      f.readline()
+      line0 = 2
+    while True:
+      buf = f.read(chunk_bytes)
+      data = rest + buf
+      if not buf:
+        rest = b""
+      else:
+        cut = data.rfind(b"\n") + 1
+        data, rest = data[:cut], data[cut:]
+      if data:
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+          lines.pop()
+        yield _parse(lines, line0, sep_b, ncols, codes, code_col, bad)
+        line0 += len(lines)
+      if not buf:
+        break
+
+
+def _parse(lines, line0, sep, ncols, codes, code_col, bad):
+  n = len(lines)
+  nums = np.arange(line0, line0 + n, dtype=np.int64)
+  text = b"\n".join(lines)
+  if codes:
+    # Map the text column to numbers in bulk where it is unambiguous.
+    for k, v in codes.items():
+      text = text.replace(sep + k + sep, sep + str(v).encode() + sep)
+      text = text.replace(sep + k + b"\n", sep + str(v).encode() + b"\n")
+      if text.endswith(sep + k):
+        text = text[: -len(k)] + str(v).encode()
+  if sep != b",":
+    text = text.replace(sep, b",")
+  try:
+    import io
+    import warnings
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      vals = np.loadtxt(
+        io.BytesIO(text),
+        delimiter=",",
+        dtype=np.float64,
+        ndmin=2,
+        comments=None,
+      )
+    if vals.shape == (n, ncols) or (n == 0):
+      return nums, vals.reshape(n, ncols)
+  except (ValueError, UserWarning):
+    pass
+  # Slow path: line by line, to name or skip the bad ones.
+  keep, out = [], []
+  for i, raw in enumerate(lines):
+    fields = raw.rstrip(b"\r").split(sep)
+    if len(fields) != ncols:
+      bad(
+        line0 + i,
+        "malformed",
+        f"expected {ncols} fields separated by {sep.decode()!r}, got "
+        f"{len(fields)}: {raw[:80]!r}",
+      )
+      continue
+    if codes is not None and code_col is not None:
+      if fields[code_col] not in codes:
+        bad(
+          line0 + i,
+          "unknown_action",
+          f"unknown action type {fields[code_col].decode(errors='replace')!r}"
+          f" (known: {sorted(c.decode() for c in codes)})",
+        )
+        continue
+      fields[code_col] = str(codes[fields[code_col]]).encode()
+    try:
+      row = [float(x) for x in fields]
+    except ValueError:
+      bad(line0 + i, "malformed", f"not a number in {raw[:80]!r}")
+      continue
+    keep.append(line0 + i)
+    out.append(row)
+  return (
+    np.array(keep, np.int64),
+    np.array(out, np.float64).reshape(len(out), ncols),
+  )
+
+
+def _finish(path, parts, cfg, counters, keep_user=None) -> EventLog:
+  """Chunks of (lines, user, ts, item, category, action, price) -> EventLog.
+
+  Checks negative prices and timestamps, applies the process filter
+  `keep_user(user) -> bool[m]`, then sorts by (user, ts) according to
+  `cfg.time_order` ("sort": reorder and count `reordered`; "error": raise at
+  the first event earlier than the previous one of its user in file order;
+  "skip": drop such events, counted).
+  """
+  bad = _Bad(path, cfg.on_bad_input, counters)
+  cols = {
+    k: [] for k in ("line", "user", "ts", "item", "category", "action", "price")
+  }
+  for chunk in parts:
+    line, user, ts, item, cat, action, price = chunk
+    ok = np.ones(line.shape, bool)
+    for name, bad_rows in (
+      ("negative_price", price < 0),
+      ("negative_timestamp", ts < 0),
+    ):
+      for j in np.flatnonzero(bad_rows):
+        bad(
+          int(line[j]),
+          name,
+          f"{name.replace('_', ' ')}: {price[j] if 'price' in name else ts[j]}",
+        )
+      ok &= ~bad_rows
+    if keep_user is not None:
+      ok &= keep_user(user)
+    for k, v in zip(
+      cols, (line, user, ts, item, cat, action, price), strict=True
+    ):
+      cols[k].append(v[ok])
+  c = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
+  log = EventLog(
+    user=c["user"].astype(np.int64),
+    ts=c["ts"].astype(np.int64),
+    item=c["item"].astype(np.int32),
+    category=c["category"].astype(np.int32),
+    action=c["action"].astype(np.int8),
+    price=c["price"].astype(np.float32),
+    extra={"line": c["line"].astype(np.int64)},
+  )
+  return order_by_time(log, path, cfg, counters)
+
+
+def order_by_time(log: EventLog, path, cfg, counters) -> EventLog:
+  """Group by user, then handle events whose time goes backwards."""
+  order = np.argsort(log.user, kind="stable")  # file order inside a user
+  log = _take(log, order)
+  u, t = log.user, log.ts
+  back = np.zeros(len(log), bool)
+  back[1:] = (u[1:] == u[:-1]) & (t[1:] < t[:-1])
+  if back.any():
+    if cfg.time_order == "error":
+      i = int(np.flatnonzero(back)[0])
+      line = log.extra["line"][i]
+      raise BadInputError(
+        f"{path}:{line}: timestamp {t[i]} of user {u[i]} is earlier than the "
+        f"previous event's {t[i - 1]} (time_order='error')"
+      )
+    if cfg.time_order == "skip":
+      # Drop events earlier than the running maximum of their user.
+      # Per-user running maximum in one pass: offset each user's times by
+      # its rank so that the maxima never cross users.
+      rank = np.cumsum(np.r_[False, u[1:] != u[:-1]]).astype(np.int64)
+      key = (rank << 34) | (t - t.min())
+      keep = key >= np.maximum.accumulate(key)
+      _count(counters, "skipped_out_of_order", (~keep).sum())
+      log = _take(log, np.flatnonzero(keep))
+    else:
+      _count(counters, "reordered", back.sum())
+  return sort_log(log)
+
+
+def _take(log: EventLog, idx) -> EventLog:
+  return EventLog(
+    **{k: getattr(log, k)[idx] for k in EventLog.COLUMNS},
+    extra={k: v[idx] for k, v in log.extra.items()},
+  )
+
+
+def read_movielens(path, cfg, counters=None, keep_user=None) -> EventLog:
+  """MovieLens `ratings.dat` (user::movie::rating::ts) or `ratings.csv`.
+
+  The rating becomes an action by `cfg.rating_actions` ((min rating, action),
+  highest first; below all thresholds: impression). MovieLens has no
+  categories or prices: category = hashed movie id, price = 0.
+  """
+  path = str(path)
+  csv = path.endswith(".csv")
+  rule = sorted(cfg.rating_actions, reverse=True)
+  from gemjax.data.config import ACTION_ID
+
+  def chunks():
+    for line, v in read_table(
+      path,
+      sep="," if csv else "::",
+      ncols=4,
+      header=csv,
+      chunk_bytes=cfg.read_chunk_bytes,
+      on_bad_input=cfg.on_bad_input,
+      counters=counters,
+    ):
+      rating = v[:, 2]
+      action = np.full(rating.shape, ACTION_ID["impression"], np.int8)
+      for thr, name in rule[::-1]:
+        action[rating >= thr] = ACTION_ID[name]
+      raw_item = v[:, 1].astype(np.int64)
+      yield (
+        line,
+        v[:, 0].astype(np.int64),
+        v[:, 3].astype(np.int64),
+        hash_rows(raw_item, cfg.num_items),
+        hash_rows(raw_item, cfg.num_categories),
+        action,
+        np.zeros(rating.shape, np.float32),
+      )
+
+  return _finish(path, chunks(), cfg, counters, keep_user)
+
+
+def read_taobao(path, cfg, counters=None, keep_user=None) -> EventLog:
+  """Taobao UserBehavior.csv: user,item,category,behavior,timestamp.
+
+  Behaviours map to actions by `cfg.taobao_actions` (default pv -> click,
+  fav -> cart, cart -> cart, buy -> order); any other is `unknown_action`.
+  No prices: price = 0. Item and category ids are hashed into the tables.
+  """
+  from gemjax.data.config import ACTION_ID
+
+  path = str(path)
+  codes = {k.encode(): ACTION_ID[a] for k, a in cfg.taobao_actions}
+
+  def chunks():
+    for line, v in read_table(
+      path,
+      sep=",",
+      ncols=5,
+      codes=codes,
+      code_col=3,
+      chunk_bytes=cfg.read_chunk_bytes,
+      on_bad_input=cfg.on_bad_input,
+      counters=counters,
+    ):
+      yield (
+        line,
+        v[:, 0].astype(np.int64),
+        v[:, 4].astype(np.int64),
+        hash_rows(v[:, 1].astype(np.int64), cfg.num_items),
+        hash_rows(v[:, 2].astype(np.int64), cfg.num_categories),
+        v[:, 3].astype(np.int8),
+        np.zeros(v.shape[0], np.float32),
+      )
+
+  return _finish(path, chunks(), cfg, counters, keep_user)
+
+
+def read_events_csv(path, cfg, counters=None, keep_user=None) -> EventLog:
+  """gemjax's own event CSV: header `user,ts,item,category,action,price`.
+
+  `action` is a name of `config.ACTIONS`; ids are raw and hashed into the
+  tables; prices must be >= 0.
+  """
+  from gemjax.data.config import ACTION_ID, ACTIONS
+
+  path = str(path)
+  with open(path, "rb") as f:
+    head = f.readline().strip().split(b",")
+  want = [c.encode() for c in EventLog.COLUMNS]
+  if head != want:
+    raise BadInputError(
+      f"{path}:1: header must be {b','.join(want).decode()}, got "
+      f"{b','.join(head).decode()}"
+    )
+  codes = {a.encode(): ACTION_ID[a] for a in ACTIONS}
+
+  def chunks():
+    for line, v in read_table(
+      path,
+      sep=",",
+      ncols=6,
+      header=True,
+      codes=codes,
+      code_col=4,
+      chunk_bytes=cfg.read_chunk_bytes,
+      on_bad_input=cfg.on_bad_input,
+      counters=counters,
+    ):
+      yield (
+        line,
+        v[:, 0].astype(np.int64),
+        v[:, 1].astype(np.int64),
+        hash_rows(v[:, 2].astype(np.int64), cfg.num_items),
+        hash_rows(v[:, 3].astype(np.int64), cfg.num_categories),
+        v[:, 4].astype(np.int8),
+        v[:, 5].astype(np.float32),
+      )
+
+  return _finish(path, chunks(), cfg, counters, keep_user)
+
+
+# -- Requests -------------------------------------------------------------
+
+
+def requests_from_log(log: EventLog, cfg, source: str = "") -> Requests:
+  """Requests (sessions) with labels from a sorted log; see DataConfig.
+
+  A session is a run of one user's events without a gap longer than
+  `cfg.session_gap_s`. Every session but a user's first is cut into requests
+  of at most `max_cands - neg_per_request` distinct items (in order of first
+  appearance), at the session's first event time, so the history is
+  everything before the session. Labels per item: click = any action other
+  than an impression, conversion = any order. Negatives are the items of
+  events picked by a hash of (user, time, slot): popularity-weighted.
+  Dense features: hour of day / 24, day of week / 7, then zeros.
+  """
+  from gemjax.data.config import ACTION_ID
+
+  n = len(log)
+  u, t = log.user, log.ts
+  new_user = np.r_[True, u[1:] != u[:-1]] if n else np.zeros(0, bool)
+  new_sess = new_user | np.r_[True, t[1:] - t[:-1] > cfg.session_gap_s][:n]
+  sess = np.cumsum(new_sess) - 1  # session id per event
+  sess_first = np.flatnonzero(new_sess)  # first event of each session
+  sess_is_first = new_user[sess_first]
+  # Candidate rows: distinct (session, item) of non-first sessions, in order
+  # of first appearance.
+  use = ~sess_is_first[sess] if n else np.zeros(0, bool)
+  ev = np.flatnonzero(use)
+  key_s, key_i = sess[ev], log.item[ev].astype(np.int64)
+  order = np.lexsort((ev, key_i, key_s))
+  ks, ki = key_s[order], key_i[order]
+  grp_start = np.r_[True, (ks[1:] != ks[:-1]) | (ki[1:] != ki[:-1])]
+  gs = np.flatnonzero(grp_start)
+  act = log.action[ev][order].astype(np.int64)
+  click = (
+    np.maximum.reduceat(act > ACTION_ID["impression"], gs)
+    if gs.size
+    else np.zeros(0, bool)
+  )
+  conv = (
+    np.maximum.reduceat(act == ACTION_ID["order"], gs)
+    if gs.size
+    else np.zeros(0, bool)
+  )
+  first_ev = ev[order][gs]  # earliest event of each (session, item)
+  # Back to time order of first appearance inside each session.
+  o2 = np.lexsort((first_ev, ks[gs]))
+  first_ev, click, conv = first_ev[o2], click[o2], conv[o2]
+  c_sess = sess[first_ev]
+  # Cut sessions into requests of at most k positives.
+  k = cfg.max_cands - cfg.neg_per_request
+  c_start = (
+    np.r_[True, c_sess[1:] != c_sess[:-1]] if c_sess.size else np.zeros(0, bool)
+  )
+  rank = np.arange(c_sess.size) - np.maximum.accumulate(
+    np.where(c_start, np.arange(c_sess.size), 0)
+  )
+  new_req = c_start | (rank % k == 0)
+  c_req = np.cumsum(new_req) - 1
+  r = int(c_req[-1]) + 1 if c_req.size else 0
+  req_first = first_ev[new_req]  # an event of the request's session
+  req_sess_first = sess_first[sess[req_first]]
+  ts = t[req_sess_first]
+  user = u[req_sess_first]
+  npos = np.bincount(c_req, minlength=r)
+  nneg = cfg.neg_per_request
+  # Interleave: each request's positives, then its negatives.
+  cand_off = np.r_[0, np.cumsum(npos + nneg)].astype(np.int64)
+  total = int(cand_off[-1])
+  pos_slot = cand_off[c_req] + (
+    np.arange(c_sess.size) - np.r_[0, np.cumsum(npos)][c_req]
+  )
+  items = np.zeros(total, np.int32)
+  cats = np.zeros(total, np.int32)
+  price = np.zeros(total, np.float32)
+  labels = np.zeros((total, 2), np.float32)
+  items[pos_slot] = log.item[first_ev]
+  cats[pos_slot] = log.category[first_ev]
+  price[pos_slot] = log.price[first_ev]
+  labels[pos_slot, 0] = click
+  labels[pos_slot, 1] = conv
+  if nneg and r and n:
+    slot = np.arange(nneg)
+    h = hash_rows(
+      (user[:, None] * 1_000_003 + ts[:, None]) * 31
+      + slot[None, :]
+      + cfg.seed * 7919,
+      n,
+    ).reshape(-1)
+    neg_slot = (cand_off[:-1, None] + npos[:, None] + slot[None, :]).reshape(-1)
+    items[neg_slot] = log.item[h]
+    cats[neg_slot] = log.category[h]
+    price[neg_slot] = log.price[h]
+  dense = np.zeros((r, cfg.num_dense), np.float32)
+  if cfg.num_dense > 0:
+    dense[:, 0] = (ts % 86_400) / 86_400
+  if cfg.num_dense > 1:
+    dense[:, 1] = ((ts // 86_400 + 3) % 7) / 7  # 1970-01-01 was a Thursday
+  line = log.extra.get("line")
+  return Requests(
+    user=user.astype(np.int64),
+    ts=ts.astype(np.int64),
+    user_row=hash_rows(user, cfg.num_users),
+    dense=dense,
+    cand_offsets=cand_off,
+    cand_item=items,
+    cand_category=cats,
+    cand_price=price,
+    labels=labels,
+    source=source,
+    line=None if line is None else line[req_sess_first],
+  )
+
+
+def read_requests_csv(path, cfg) -> Requests:
+  """Requests file, one line per candidate, with the header
+  `request,user,ts,item,category,price,click,conversion`.
+
+  One line per candidate; a request's lines are consecutive. An empty label
+  field is a missing label (NaN), handled by `check_requests`. Lines are
+  remembered per request (its first line) for error messages.
+  """
+  path = str(path)
+  want = "request,user,ts,item,category,price,click,conversion"
+  rows, lines = [], []
+  with open(path) as f:
+    head = f.readline().strip()
+    if head != want:
+      raise BadInputError(f"{path}:1: header must be {want}, got {head}")
+    for no, raw in enumerate(f, start=2):
+      fields = raw.rstrip("\r\n").split(",")
+      if len(fields) != 8:
+        raise BadInputError(
+          f"{path}:{no}: expected 8 fields, got {len(fields)}: {raw[:80]!r}"
+        )
+      try:
+        row = [
+          float(x) if x != "" or j < 6 else float("nan")
+          for j, x in enumerate(fields)
+        ]
+      except ValueError:
+        raise BadInputError(
+          f"{path}:{no}: not a number in {raw[:80]!r}"
+        ) from None
+      rows.append(row)
+      lines.append(no)
+  v = np.array(rows, np.float64).reshape(-1, 8)
+  lines = np.array(lines, np.int64)
+  rid = v[:, 0].astype(np.int64)
+  start = (
+    np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]])
+    if rid.size
+    else np.zeros(0, np.int64)
+  )
+  if np.unique(rid).size != start.size:
+    raise BadInputError(f"{path}: the lines of a request must be consecutive")
+  r = start.size
+  dense = np.zeros((r, cfg.num_dense), np.float32)
+  return Requests(
+    user=v[start, 1].astype(np.int64),
+    ts=v[start, 2].astype(np.int64),
+    user_row=hash_rows(v[start, 1].astype(np.int64), cfg.num_users),
+    dense=dense,
+    cand_offsets=np.r_[start, v.shape[0]].astype(np.int64),
+    cand_item=hash_rows(v[:, 3].astype(np.int64), cfg.num_items),
+    cand_category=hash_rows(v[:, 4].astype(np.int64), cfg.num_categories),
+    cand_price=v[:, 5].astype(np.float32),
+    labels=v[:, 6:8].astype(np.float32),
+    source=path,
+    line=lines[start],
+  )
+
+
+def check_requests(log: EventLog, req: Requests, cfg, counters=None):
+  """Bad requests: a user with no events, a candidate with no label.
+
+  With `on_bad_input="error"` the first one raises naming its file and line;
+  with "skip" it is dropped and counted (`skipped_user_without_events`,
+  `skipped_unlabelled_candidates`, and `skipped_requests_without_candidates`
+  for a request left empty).
+  """
+  bad = _Bad(req.source or "requests", cfg.on_bad_input, counters)
+  _, _, _, known = log.history_windows(req.user, req.ts)
+  keep = known.copy()
+  for i in np.flatnonzero(~known):
+    bad(
+      req.line[i] if req.line is not None else i,
+      "user_without_events",
+      f"user {req.user[i]} has no events in the log",
+    )
+  unl = np.isnan(req.labels).any(1)
+  cseg = np.repeat(np.arange(len(req)), np.diff(req.cand_offsets))
+  for c in np.flatnonzero(unl):
+    i = cseg[c]
+    bad(
+      req.line[i] if req.line is not None else i,
+      "unlabelled_candidates",
+      f"candidate {c - req.cand_offsets[i]} (item row {req.cand_item[c]}) "
+      "of this request has no label",
+    )
+  if not keep.all() or unl.any():
+    # Drop unlabelled candidates, then requests left with none or unknown.
+    cidx = np.flatnonzero(~unl)
+    per = np.bincount(cseg[cidx], minlength=len(req))
+    empty = (per == 0) & keep
+    _count(counters, "skipped_requests_without_candidates", empty.sum())
+    keep &= per > 0
+    lab = Requests(
+      **{
+        **req.__dict__,
+        "cand_offsets": np.r_[0, np.cumsum(per)].astype(np.int64),
+        "cand_item": req.cand_item[cidx],
+        "cand_category": req.cand_category[cidx],
+        "cand_price": req.cand_price[cidx],
+        "labels": req.labels[cidx],
+      }
+    )
+    req = lab.take(np.flatnonzero(keep))
+  return req

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from gemjax.data import bbs, synthetic
+from gemjax.data import bbs, build, events, synthetic
 from gemjax.data.config import DataConfig
 from gemjax.data.jagged import JaggedBatch, stack
 
@@ -53,11 +53,103 @@ def _local_shards(num_shards, process_index, process_count) -> range:
   return range(process_index * per, (process_index + 1) * per)
 
 
-class _Blocks:
-  """Built blocks of the local shards, with their plans, cached while needed."""
+class SyntheticSource:
+  """Generated traffic: block k of shard s is a function of (seed, s, k)."""
 
   def __init__(self, cfg: DataConfig):
     self.cfg = cfg
+    self.counters: dict[str, int] = {}
+
+  def block(self, shard: int, block: int, size: int, counters) -> JaggedBatch:
+    return synthetic.make_block(
+      self.cfg, synthetic.TRAIN, shard, block, size, counters
+    )
+
+  def eval_pools(self) -> tuple[list[JaggedBatch], bool]:
+    """(pools, global): global pools are the same on every process."""
+    return list(synthetic.eval_blocks(self.cfg)), True
+
+
+class LogSource:
+  """A real event log (`cfg.source` "movielens", "taobao" or "events").
+
+  Users are spread over the `num_shards` shards by a hash of the user id;
+  this process keeps only its shards' users while reading (memory holds its
+  part only). Requests come from sessions (`events.requests_from_log`);
+  users whose hash falls in `cfg.eval_user_frac` are held out. The training
+  stream of a shard is an endless sequence of epochs, each a permutation of
+  the shard's requests seeded by (seed, shard, epoch); block k is the k-th
+  run of `size` requests of that stream. The eval set of a process is its
+  own users' held-out requests (so with several processes, their numbers of
+  eval steps can differ).
+  """
+
+  READERS = {
+    "movielens": events.read_movielens,
+    "taobao": events.read_taobao,
+    "events": events.read_events_csv,
+  }
+
+  def __init__(self, cfg: DataConfig, num_shards: int, shards: range):
+    self.cfg = cfg
+    self.counters: dict[str, int] = {}
+    mine = np.zeros(num_shards, bool)
+    mine[list(shards)] = True
+    keep = lambda u: mine[events.hash_rows(u, num_shards)]
+    self.log = self.READERS[cfg.source](cfg.path, cfg, self.counters, keep)
+    req = events.requests_from_log(self.log, cfg, cfg.path)
+    self.req = events.check_requests(self.log, req, cfg, self.counters)
+    held = events.hash_rows(self.req.user ^ 0x5EED, 1000) < round(
+      1000 * cfg.eval_user_frac
+    )
+    shard_of = events.hash_rows(self.req.user, num_shards)
+    self.train = {}
+    for s in shards:
+      idx = np.flatnonzero((shard_of == s) & ~held)
+      if not idx.size:
+        raise ValueError(f"{cfg.path}: shard {s} has no training requests")
+      self.train[s] = idx
+    self.held = np.flatnonzero(held)
+
+  def _built(self, req, counters) -> JaggedBatch:
+    offsets, cols, seg = build.build_sequences(
+      self.log, req, self.cfg, counters
+    )
+    return build.assemble(req, offsets, cols, seg, self.cfg)
+
+  def block(self, shard: int, block: int, size: int, counters) -> JaggedBatch:
+    reqs = self.train[shard]
+    n = reqs.size
+    pos = np.arange(block * size, (block + 1) * size)
+    idx = np.empty(size, np.int64)
+    for epoch in np.unique(pos // n):
+      perm = np.random.default_rng(
+        [self.cfg.seed, 3, shard, int(epoch)]
+      ).permutation(n)
+      here = pos // n == epoch
+      idx[here] = reqs[perm[pos[here] % n]]
+    return self._built(self.req.take(idx), counters)
+
+  def eval_pools(self) -> tuple[list[JaggedBatch], bool]:
+    blk = synthetic.EVAL_BLOCK
+    return [
+      self._built(self.req.take(self.held[i : i + blk]), None)
+      for i in range(0, self.held.size, blk)
+    ], False
+
+
+def make_source(cfg: DataConfig, num_shards: int, shards: range):
+  if cfg.source == "synthetic":
+    return SyntheticSource(cfg)
+  return LogSource(cfg, num_shards, shards)
+
+
+class _Blocks:
+  """Built blocks of the local shards, with their plans, cached while needed."""
+
+  def __init__(self, cfg: DataConfig, source):
+    self.cfg = cfg
+    self.source = source
     self.pool = cfg.bbs_pool_batches * cfg.requests_per_shard
     self._cache: dict[tuple[int, int], tuple] = {}
 
@@ -67,9 +159,7 @@ class _Blocks:
     if key not in self._cache:
       cfg = self.cfg
       built = {}
-      pool = synthetic.make_block(
-        cfg, synthetic.TRAIN, shard, block, self.pool, built
-      )
+      pool = self.source.block(shard, block, self.pool, built)
       if cfg.batching == "bbs":
         w = bbs.sample_weight(np.diff(pool.offsets), cfg.bbs_weight)
         plan = bbs.plan_bbs(w, cfg.requests_per_shard, cfg.bbs_minibatch)
@@ -100,17 +190,14 @@ class Loader:
     process_index: int = 0,
     process_count: int = 1,
   ):
-    if cfg.source != "synthetic":
-      raise NotImplementedError(
-        f"source {cfg.source!r}: use gemjax.data.events readers"
-      )
     if split not in ("train", "eval"):
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     self.cfg = cfg
     self.num_shards = num_shards
     self.split = split
     self.shards = _local_shards(num_shards, process_index, process_count)
-    self._blocks = _Blocks(cfg)
+    self.source = make_source(cfg, num_shards, self.shards)
+    self._blocks = _Blocks(cfg, self.source)
     self._eval = None
     self._pos = self._initial_position()
     self._visible = copy.deepcopy(self._pos)
@@ -129,7 +216,7 @@ class Loader:
       "block": 0,
       "step_in_block": 0,
       "carry": {str(s): [] for s in self.shards},
-      "counters": {},
+      "counters": dict(self.source.counters),  # reading counters
     }
 
   def state(self) -> dict:
@@ -264,13 +351,17 @@ class Loader:
 
   def _produce_eval(self):
     if self._eval is None:
-      self._eval = _eval_plan(self.cfg, self.num_shards)
-    plan, pools = self._eval
+      pools, is_global = self.source.eval_pools()
+      n = self.num_shards if is_global else len(self.shards)
+      plan = _eval_plan(self.cfg, pools, n)
+      cols = list(self.shards) if is_global else list(range(n))
+      self._eval = plan, pools, cols
+    plan, pools, cols = self._eval
     pos = self._pos
     if pos["step"] >= len(plan):
       raise StopIteration
     batch = stack(
-      [_eval_shard(self.cfg, plan[pos["step"]][s], pools) for s in self.shards]
+      [_eval_shard(self.cfg, plan[pos["step"]][s], pools) for s in cols]
     )
     pos["step"] += 1
     return batch, copy.deepcopy(pos)
@@ -286,9 +377,8 @@ def _group_by_block(refs, blocks: _Blocks, shard: int):
   return [(blocks.get(shard, b)[0], np.array(ix, np.int64)) for b, ix in parts]
 
 
-def _eval_plan(cfg: DataConfig, num_shards: int):
+def _eval_plan(cfg: DataConfig, pools, num_shards: int):
   """Greedy in-order packing of the eval set: plan[step][shard] = refs."""
-  pools = list(synthetic.eval_blocks(cfg))
   refs = [(b, i) for b, p in enumerate(pools) for i in range(p.num_requests)]
   plan, cur, shard = [], [], []
   n_t = n_c = 0
@@ -314,7 +404,7 @@ def _eval_plan(cfg: DataConfig, num_shards: int):
   if cur:
     cur += [[] for _ in range(num_shards - len(cur))]
     plan.append(cur)
-  return plan, pools
+  return plan
 
 
 def _eval_shard(cfg, refs, pools) -> JaggedBatch:

@@ -67,7 +67,6 @@ import numpy as np
 from gemjax.data import build
 from gemjax.data.config import ACTION_ID, TASKS, DataConfig
 from gemjax.data.events import EventLog, Requests
-from gemjax.data.jagged import JaggedBatch
 
 TRAIN, EVAL = 0, 1
 EVAL_BLOCK = 256  # eval requests per generated block (independent of shards)
@@ -303,15 +302,7 @@ def make_block(
   click = u[:, 0] < p_ctr
   conv = click & (u[:, 1] < p_conv / np.maximum(p_ctr, 1e-12))
   labels = np.stack([click, conv], 1).astype(np.float32)
-  batch = JaggedBatch(
-    offsets=offsets.astype(np.int32),
-    seq=build.seq_features(offsets, cols, seg, req.ts, cfg),
-    cand_offsets=req.cand_offsets.astype(np.int32),
-    cand=build.cand_features(req, cfg),
-    labels=labels,
-    user_id=req.user_row.astype(np.int32),
-    dense=req.dense,
-  )
+  batch = build.assemble(req, offsets, cols, seg, cfg, labels)
   if with_probs:
     return batch, np.stack([p_ctr, p_conv], 1)
   return batch
