@@ -1,0 +1,255 @@
+"""Block-scaled FP8 matmul for Hopper in Pallas Mosaic GPU (G4).
+
+Computes, with `kb` the scale block along the contraction `k`:
+
+  out[m, n] = sum_j  sa[j, m] * sb[j, n] * sum_{k in block j} a[m, k] b[n, k]
+
+`a_mk`, `b_nk` e4m3 (both with `k` contiguous: Hopper's 8-bit wgmma reads
+only k-major operands), `sa_Jm`, `sb_Jn` float32 scales, one per k-block `j`
+and row of `a` (column of `out`). This is the product of the dequantized
+operands for both formats: MXFP8 32x32 blocks (`kb = 32`, the scale of a row
+changes every 32 rows) and DeepSeek-style 1x128 / 128x128 (`kb = 128`).
+
+Hopper has no block-scaled MMA (Blackwell's `tcgen05.mma` with scale factors
+has). So every k-block is one wgmma into a fresh f32 accumulator, and the
+warpgroup then folds it into the running sum with its scales:
+
+  acc += p * (sa[j] (x) sb[j])       (2 FP32 ops per accumulator element)
+
+That is the cost of block scaling on Hopper: for `kb = 32` one wgmma of
+`64 x 128 x 32` (~140 tensor-core cycles) is followed by 64 fp32 FMAs per
+thread; for `kb = 128` the same epilogue comes once per four times the MMA
+work. Two compute warpgroups take turns, so one's promotion overlaps the
+other's wgmma.
+
+Structure (after JAX's `hopper_matmul_mgpu`): a persistent grid of one CTA
+per SM walks the output tiles in a planar snake; in each CTA a memory
+warpgroup streams `a`, `b` and the two scale slices through a TMA pipeline of
+`max_concurrent_steps` stages, and two compute warpgroups each own a
+`tile_m x tile_n` accumulator in registers (the CTA tile is two of those
+side by side along `m` or `n`). The epilogue casts, stages in shared memory
+and stores by TMA.
+
+Shapes must be multiples of the CTA tile and of `tile_k` (the wrapper pads).
+"""
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+class Dim(enum.IntEnum):
+  M = 0
+  N = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles per compute warpgroup; defaults tuned on H200 (see .notes/fp8.md).
+
+  The accumulator and the per-block product both live in registers
+  (`2 * tile_m * tile_n / 128` floats per thread), which caps
+  `tile_m * tile_n` at 64 x 128.
+  """
+
+  tile_m: int = 64
+  tile_n: int = 128
+  tile_k: int = 128
+  max_concurrent_steps: int = 4
+  wg_dimension: Dim = Dim.M
+  grid_minor_dim: Dim = Dim.N
+  grid_tile_width: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+
+  def cta_tile(self) -> tuple[int, int]:
+    return (
+      self.tile_m * (1 + (self.wg_dimension == Dim.M)),
+      self.tile_n * (1 + (self.wg_dimension == Dim.N)),
+    )
+
+
+def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
+  m, k = a_gmem.shape
+  n = b_gmem.shape[0]
+  out_dtype = out_gmem.dtype
+  tile_m, tile_n, tile_k = bs.tile_m, bs.tile_n, bs.tile_k
+  subs = tile_k // kb
+  cta_m, cta_n = bs.cta_tile()
+  m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+  # An 8-bit wgmma consumes k in groups of `swizzle` bytes; one k-block per
+  # wgmma means swizzle == kb.
+  swizzle = kb
+  in_transforms = (
+    plgpu.TilingTransform((8, swizzle)),
+    plgpu.SwizzleTransform(swizzle),
+  )
+  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
+  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  out_transforms = (
+    plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+    plgpu.SwizzleTransform(out_swizzle),
+  )
+  num_out_slots = min(2, (tile_m * tile_n) // (epi_m * epi_n))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(k_iters,),
+      memory_registers=40,
+      in_specs=[
+        plgpu.BlockSpec(
+          (cta_m, tile_k), lambda kk: (0, kk), transforms=in_transforms
+        ),
+        plgpu.BlockSpec(
+          (cta_n, tile_k), lambda kk: (0, kk), transforms=in_transforms
+        ),
+        plgpu.BlockSpec((subs, cta_m), lambda kk: (kk, 0)),
+        plgpu.BlockSpec((subs, cta_n), lambda kk: (kk, 0)),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=bs.max_concurrent_steps,
+      compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+    pl.run_scoped,
+    pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+      a_gmem, b_gmem, sa_gmem, sb_gmem
+    ),
+    out_smem=plgpu.SMEM(
+      (2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms
+    ),
+    collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem):
+    wg_idx = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _mn_loop(info: plgpu.NDLoopInfo):
+      (lin,) = info.index
+      m_idx, n_idx = plgpu.planar_snake(
+        lin, (m_iters, n_iters), bs.grid_minor_dim, bs.grid_tile_width
+      )
+      cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
+      cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
+      if bs.wg_dimension == Dim.M:
+        wg_m = pl.ds(wg_idx * tile_m, tile_m)
+        wg_n = pl.ds(0, tile_n)
+      else:
+        wg_m = pl.ds(0, tile_m)
+        wg_n = pl.ds(wg_idx * tile_n, tile_n)
+
+      def compute_context(eval_pipeline):
+        acc0 = plgpu.layout_cast(
+          jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+        )
+        acc = eval_pipeline(acc0).astype(out_dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for mi in range(tile_m // epi_m):
+          for ni in range(tile_n // epi_n):
+            ms = slice(mi * epi_m, (mi + 1) * epi_m)
+            ns = slice(ni * epi_n, (ni + 1) * epi_n)
+            slot = (mi * (tile_n // epi_n) + ni) % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg_idx, slot] = acc[ms, ns]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+              out_smem.at[wg_idx, slot],
+              out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[ms, ns],
+            )
+
+      def mma_body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
+        for j in range(subs):
+          ks = pl.ds(j * kb, kb)
+
+          def block_product(p_ref, ks=ks):
+            plgpu.wgmma(
+              p_ref,
+              a_smem.at[wg_m, ks],
+              b_smem.at[wg_n, ks].transpose((1, 0)),
+            )
+            return p_ref[...]
+
+          p = pl.run_scoped(
+            block_product, plgpu.ACC((tile_m, tile_n), jnp.float32)
+          )
+          ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
+          cb = plgpu.load(sb_smem.at[j, wg_n], layout=_COL)
+          scale = lax.broadcast_in_dim(
+            ra, (tile_m, tile_n), [0]
+          ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
+          acc = acc + p * scale
+        return acc
+
+      get_pipeline(mma_body, compute_context)(
+        a_gmem.at[cta_m_slice, :],
+        b_gmem.at[cta_n_slice, :],
+        sa_gmem.at[:, cta_m_slice],
+        sb_gmem.at[:, cta_n_slice],
+        allocations=pipeline_allocs,
+      )
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("kb", "out_dtype", "block_sizes", "num_sms", "interpret"),
+)
+def scaled_matmul_mgpu(
+  a_mk,
+  sa_Jm,
+  b_nk,
+  sb_Jn,
+  *,
+  kb: int,
+  out_dtype=jnp.bfloat16,
+  block_sizes: BlockSizes = BlockSizes(),
+  num_sms: int = 132,
+  interpret: bool = False,
+):
+  """`out_mn`; see the module docstring. Shapes must fit the tiles."""
+  m, k = a_mk.shape
+  n, k2 = b_nk.shape
+  bs = block_sizes
+  cta_m, cta_n = bs.cta_tile()
+  if k != k2 or m % cta_m or n % cta_n or k % bs.tile_k or bs.tile_k % kb:
+    raise ValueError(
+      f"scaled_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit the"
+      f" tiles {cta_m}x{cta_n}x{bs.tile_k} (kb={kb})"
+    )
+  if kb not in (32, 64, 128):
+    raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
+  if sa_Jm.shape != (k // kb, m) or sb_Jn.shape != (k // kb, n):
+    raise ValueError(f"scale shapes {sa_Jm.shape}, {sb_Jn.shape}")
+  kernel = functools.partial(_kernel, kb=kb, bs=bs)
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    grid=(num_sms,),
+    grid_names=("sm",),
+    num_threads=3,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+    ),
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(
+    a_mk.astype(jnp.float8_e4m3fn),
+    b_nk.astype(jnp.float8_e4m3fn),
+    sa_Jm.astype(jnp.float32),
+    sb_Jn.astype(jnp.float32),
+  )

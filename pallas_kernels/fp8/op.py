@@ -1,0 +1,562 @@
+"""Public FP8 ops: `quantize`, `dequantize`, `fp8_dot_general` (G4).
+
+`fp8_dot_general(lhs, rhs, dimension_numbers, ...)` has `lax.dot_general`'s
+signature and computes the product from FP8 operands with block scales:
+
+  forward   out = deq(Q(lhs)) . deq(Q(rhs))          FP8 x FP8, f32 sums
+  backward  d lhs = Q(g) . deq(Q(rhs))^T              FP8 x FP8
+            d rhs = g^T . deq(Q(lhs))                 BF16 (default) or FP8
+
+`Q` quantizes along the contraction axis (format.py), once per tensor: the
+backward reuses the forward's quantized operands (with MXFP8's square blocks
+the transposed use shares values and scales; with 1x128 activations the FP8
+weight-gradient path re-quantizes). Gradients are straight-through: the
+derivative of the FP8 product is taken as that of the exact product of the
+dequantized operands, so `d rhs` above is exact for what the forward
+computed. With a Hadamard transform the gradients are rotated back
+(`d x = d(x M) M^T`).
+
+Operands may be raw arrays (quantized here) or `Fp8Tensor`s from `quantize`
+(e.g. weights quantized once per step, or on their FSDP shard before the
+all-gather); an `Fp8Tensor` routes its gradient to its `source`.
+
+Supported dimension numbers: one contracting dimension per side, any free
+dimensions, and batch dimensions on raw operands (mapped with `jax.vmap`).
+
+Implementations (`implementation=`): "xla" (the `jnp` reference: dequantize,
+then an f32-accumulated dot) and "mosaic" (the Pallas kernels, in GPU
+interpret mode on CPU). `None` picks "mosaic" on GPU. Configurations a kernel
+does not cover fall back to the reference quantizer or product.
+
+Error bound of the forward (tested): per element of `out`,
+|out - x.w| <= sum_k |x_k||w_k| (2 u + u^2) + subnormal terms, u = 2^-4
+(RN) or 2^-3 (stochastic rounding); for random data the relative Frobenius
+error is about 2 u / sqrt(3) ~ 4%.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import dispatch
+from pallas_kernels.fp8 import format as fmt
+from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import reference as ref
+from pallas_kernels.fp8.format import Fp8Tensor
+
+# ---------------------------------------------------------------------------
+# Implementations of the two 2-D primitives.
+# ---------------------------------------------------------------------------
+
+
+def _quantize_2d_xla(x_rc, block, hadamard, hadamard_seed, seed_hash):
+  return ref.quantize_reference(
+    x_rc,
+    block=block,
+    hadamard=hadamard,
+    hadamard_seed=hadamard_seed,
+    seed_hash=seed_hash,
+  )
+
+
+def _matmul_xla(a, b, out_dtype):
+  (a_v, a_s, a_block), (b_v, b_s, b_block) = a, b
+  return ref.scaled_matmul_reference(
+    a_v, a_s, a_block, b_v, b_s, b_block, out_dtype=out_dtype
+  )
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@functools.cache
+def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
+  """The kernel call on one `[r, c]` matrix, batched by folding into rows."""
+  cp = _round_up(c, quantize_mgpu.TILE_C)
+  br, bc = block
+
+  def one(x_rc, seed_hash):
+    rows = x_rc.shape[0]
+    x = jnp.pad(
+      x_rc.astype(jnp.bfloat16),
+      ((0, _round_up(rows, quantize_mgpu.TILE_R) - rows), (0, cp - c)),
+    )
+    v, se = quantize_mgpu.quantize_mgpu(
+      x,
+      seed_hash,
+      block=block,
+      hadamard=hadamard,
+      hadamard_seed=hadamard_seed,
+      sr=sr,
+      interpret=_interpret(),
+      n_cols=c,
+    )
+    s = se[:, ::br].T  # [rows_p / br, cp / bc]
+    return v[:rows, :c], s[: -(-rows // br), : -(-c // bc)]
+
+  @jax.custom_batching.custom_vmap
+  def f(x_rc, seed_hash):
+    return one(x_rc, seed_hash)
+
+  @f.def_vmap
+  def _rule(axis_size, in_batched, x_vrc, seed_hash):
+    x_batched, seed_batched = in_batched
+    if not x_batched:
+      x_vrc = jnp.broadcast_to(x_vrc, (axis_size, r, c))
+    if r % br == 0 and not seed_batched:
+      # Blocks never straddle two batch entries: fold the batch into rows.
+      v, s = one(x_vrc.reshape(axis_size * r, c), seed_hash)
+      return (
+        v.reshape(axis_size, r, c),
+        s.reshape(axis_size, r // br, -1),
+      ), (True, True)
+    seeds = (
+      seed_hash if seed_batched else jnp.broadcast_to(seed_hash, (axis_size,))
+    )
+    return lax.map(lambda a: one(*a), (x_vrc, seeds)), (True, True)
+
+  return f
+
+
+def _quantize_2d_mosaic(x_rc, block, hadamard, hadamard_seed, seed_hash):
+  r, c = x_rc.shape
+  if (
+    tuple(block) not in quantize_mgpu.SUPPORTED_BLOCKS
+    or hadamard not in quantize_mgpu.SUPPORTED_HADAMARD
+    or r == 0
+    or c == 0
+  ):
+    return _quantize_2d_xla(x_rc, block, hadamard, hadamard_seed, seed_hash)
+  sr = seed_hash is not None
+  seed = jnp.asarray(seed_hash if sr else 0, jnp.int32)
+  f = _quantize_kernel_fn(tuple(block), hadamard, hadamard_seed, sr, r, c)
+  return f(x_rc, seed)
+
+
+def _expand(s_RC, br: int, rows: int):
+  """Compact scales `[R, J]` to the kernel's `[J, rows]` (one per row)."""
+  return jnp.repeat(s_RC.T, br, axis=1)[:, :rows]
+
+
+@functools.cache
+def _matmul_kernel_fn(kb, out_dtype, m, n, k):
+  bs = matmul_mgpu.BlockSizes()
+  cta_m, cta_n = bs.cta_tile()
+  kp = _round_up(k, bs.tile_k)
+
+  def one(a_mk, sa_Jm, b_nk, sb_Jn):
+    rows = a_mk.shape[0]
+    mp, np_ = _round_up(rows, cta_m), _round_up(n, cta_n)
+    jp = kp // kb
+    a = jnp.pad(a_mk, ((0, mp - rows), (0, kp - k)))
+    b = jnp.pad(b_nk, ((0, np_ - n), (0, kp - k)))
+    sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
+    sb = jnp.pad(sb_Jn, ((0, jp - sb_Jn.shape[0]), (0, np_ - n)))
+    out = matmul_mgpu.scaled_matmul_mgpu(
+      a,
+      sa,
+      b,
+      sb,
+      kb=kb,
+      out_dtype=out_dtype,
+      block_sizes=bs,
+      interpret=_interpret(),
+    )
+    return out[:rows, :n]
+
+  @jax.custom_batching.custom_vmap
+  def f(a_mk, sa_Jm, b_nk, sb_Jn):
+    return one(a_mk, sa_Jm, b_nk, sb_Jn)
+
+  @f.def_vmap
+  def _rule(axis_size, in_batched, a, sa, b, sb):
+    ab, sab, bb, sbb = in_batched
+    if ab and sab and not bb and not sbb:
+      # Shared right operand: fold the batch into rows of the left one.
+      out = one(
+        a.reshape(axis_size * m, k),
+        jnp.moveaxis(sa, 0, 1).reshape(sa.shape[1], axis_size * m),
+        b,
+        sb,
+      )
+      return out.reshape(axis_size, m, n), True
+    bcast = lambda x, batched: (
+      x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+    )
+    args = tuple(map(bcast, (a, sa, b, sb), in_batched))
+    return lax.map(lambda t: one(*t), args), True
+
+  return f
+
+
+def _matmul_mosaic(a, b, out_dtype):
+  (a_v, a_s, a_block), (b_v, b_s, b_block) = a, b
+  m, k = a_v.shape
+  n = b_v.shape[0]
+  kb = a_block[1]
+  if kb != b_block[1] or kb not in (32, 64, 128) or 0 in (m, n, k):
+    return _matmul_xla(a, b, out_dtype)
+  f = _matmul_kernel_fn(kb, jnp.dtype(out_dtype), m, n, k)
+  return f(a_v, _expand(a_s, a_block[0], m), b_v, _expand(b_s, b_block[0], n))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Impl:
+  quantize_2d: object
+  matmul: object
+
+
+IMPLEMENTATIONS = {
+  "xla": _Impl(_quantize_2d_xla, _matmul_xla),
+  "mosaic": _Impl(_quantize_2d_mosaic, _matmul_mosaic),
+}
+
+
+def _pick(implementation):
+  return dispatch.pick("fp8", IMPLEMENTATIONS, implementation, "mosaic")
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------
+
+
+def _normalize_block(block) -> tuple[int, int]:
+  if isinstance(block, int):
+    return (block, block)
+  return tuple(int(b) for b in block)
+
+
+def quantize(
+  x,
+  *,
+  block=None,
+  hadamard: int | None = None,
+  key=None,
+  format: str = "mxfp8",
+  axis: int = -1,
+  kind: str = "activation",
+  hadamard_seed: int = 0,
+  implementation: str | None = None,
+) -> Fp8Tensor:
+  """Quantize `x` along `axis` (the axis it will be contracted over).
+
+  Args:
+    x: any float array.
+    block: `(br, bc)` or an int for square blocks; default from `format`
+      and `kind` ("activation" or "weight").
+    hadamard: Hadamard block size (power of two dividing `x.shape[axis]`),
+      or None.
+    key: PRNG key: stochastic rounding when given, else round to nearest.
+    format: "mxfp8" or "deepseek" (see `format.FORMATS`).
+    axis: the contraction axis; values are stored with it moved last.
+    hadamard_seed: seed of the transform's random signs (static).
+    implementation: None, "xla" or "mosaic".
+
+  Returns an `Fp8Tensor` whose `source` is `x` (for gradients).
+  """
+  if kind not in ("activation", "weight"):
+    raise ValueError(f"kind must be 'activation' or 'weight', got {kind!r}")
+  f = fmt.get_format(format)
+  if block is None:
+    block = f.activation_block if kind == "activation" else f.weight_block
+  block = _normalize_block(block)
+  axis = axis % x.ndim
+  xm = jnp.moveaxis(lax.stop_gradient(x), axis, -1)
+  c = xm.shape[-1]
+  r = math.prod(xm.shape[:-1])
+  seed_hash = None if key is None else fmt.seed_hash_from_key(key)
+  v, s = _pick(implementation).quantize_2d(
+    xm.reshape(r, c), block, hadamard, hadamard_seed, seed_hash
+  )
+  return Fp8Tensor(
+    values=v.reshape(xm.shape),
+    scales=s,
+    source=x,
+    shape=tuple(x.shape),
+    axis=axis,
+    block=block,
+    hadamard=hadamard,
+    hadamard_seed=hadamard_seed,
+    dtype=jnp.dtype(x.dtype),
+  )
+
+
+def dequantize(t: Fp8Tensor, dtype=None):
+  """The tensor `t` approximates, in its logical layout (Hadamard undone)."""
+  r, c = t.matrix_shape
+  x = ref.dequantize_reference(
+    t.values.reshape(r, c),
+    t.scales,
+    block=t.block,
+    hadamard=t.hadamard,
+    hadamard_seed=t.hadamard_seed,
+    dtype=dtype or t.dtype,
+  )
+  stored = t.values.shape
+  return jnp.moveaxis(x.reshape(stored), -1, t.axis)
+
+
+# ---------------------------------------------------------------------------
+# The 2-D product with its custom VJP.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  a_block: tuple[int, int]
+  b_block: tuple[int, int]
+  grad_block: tuple[int, int]
+  hadamard: int | None
+  hadamard_seed: int
+  out_dtype: jnp.dtype
+  a_dtype: jnp.dtype
+  b_dtype: jnp.dtype
+  grad_rhs_fp8: bool
+  implementation: str | None
+  grad_lhs: bool  # whether lhs / rhs carry a source to differentiate
+  grad_rhs: bool
+
+
+def _hadamard_undo(x, cfg):
+  if cfg.hadamard:
+    return ref.hadamard_apply(x, cfg.hadamard, cfg.hadamard_seed, inverse=True)
+  return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
+  del a_src, b_src, key
+  return _pick(cfg.implementation).matmul(
+    (a_v, a_s, cfg.a_block), (b_v, b_s, cfg.b_block), cfg.out_dtype
+  )
+
+
+def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
+  out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
+  return out, (a_v, a_s, b_v, b_s, key)
+
+
+def _transposed(v, s, block):
+  return v.T, s.T, (block[1], block[0])
+
+
+def _mm_bwd(cfg, res, g_mn):
+  a_v, a_s, b_v, b_s, key = res
+  keep_a, keep_b = cfg.grad_lhs, cfg.grad_rhs
+  impl = _pick(cfg.implementation)
+  seed_hash = None if key is None else fmt.seed_hash_from_key(key)
+  grad_block = cfg.grad_block
+  g_v, g_s = impl.quantize_2d(g_mn, grad_block, None, 0, seed_hash)
+  da = db = None
+  if keep_a:
+    # d a = g . b: contraction over n; b used transposed, `[k, n]`.
+    bt = _transposed(b_v, b_s, cfg.b_block)
+    if bt[2][1] != grad_block[1]:
+      # The scale blocks along n differ (e.g. 1x128 activations on the right):
+      # quantize the dequantized `b^T` again along n.
+      bq = impl.quantize_2d(
+        ref.dequantize_reference(b_v, b_s, block=cfg.b_block).T,
+        grad_block,
+        None,
+        0,
+        None,
+      )
+      bt = (*bq, grad_block)
+    da = impl.matmul((g_v, g_s, grad_block), bt, jnp.float32)
+    da = _hadamard_undo(da, cfg).astype(cfg.a_dtype)
+  if keep_b:
+    # d b = g^T . a: contraction over m.
+    if cfg.grad_rhs_fp8:
+      if grad_block[0] == grad_block[1] and cfg.a_block[0] == cfg.a_block[1]:
+        gt = _transposed(g_v, g_s, grad_block)
+        at = _transposed(a_v, a_s, cfg.a_block)
+      else:
+        gt = (*impl.quantize_2d(g_mn.T, grad_block, None, 0, seed_hash),)
+        gt = (*gt, grad_block)
+        a_deq = ref.dequantize_reference(a_v, a_s, block=cfg.a_block)
+        at = (*impl.quantize_2d(a_deq.T, grad_block, None, 0, None),)
+        at = (*at, grad_block)
+      db = impl.matmul(gt, at, jnp.float32)
+    else:
+      a_deq = ref.dequantize_reference(
+        a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16
+      )
+      db = lax.dot_general(
+        g_mn.astype(jnp.bfloat16),
+        a_deq,
+        (((0,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+      )
+    db = _hadamard_undo(db, cfg).astype(cfg.b_dtype)
+  zeros = jnp.zeros_like
+  return (zeros(a_v), zeros(a_s), da, zeros(b_v), zeros(b_s), db, None)
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
+# ---------------------------------------------------------------------------
+# fp8_dot_general
+# ---------------------------------------------------------------------------
+
+
+def _as_matrix(t: Fp8Tensor):
+  r, c = t.matrix_shape
+  src = None
+  if t.source is not None:
+    src = jnp.moveaxis(t.source, t.axis, -1).reshape(r, c)
+  return t.values.reshape(r, c), t.scales, src
+
+
+def fp8_dot_general(
+  lhs,
+  rhs,
+  dimension_numbers,
+  precision=None,
+  preferred_element_type=None,
+  *,
+  format: str = "mxfp8",
+  hadamard: int | None = None,
+  hadamard_seed: int = 0,
+  grad_rhs_fp8: bool = False,
+  key=None,
+  implementation: str | None = None,
+):
+  """`lax.dot_general` computed in FP8 with block scales (see module doc).
+
+  Args:
+    lhs, rhs: arrays (quantized here: `lhs` as an activation, `rhs` as a
+      weight) or `Fp8Tensor`s quantized along the contracting dimension.
+    dimension_numbers: as `lax.dot_general`; one contracting dimension.
+    precision: ignored (FP8 is the precision); accepted for compatibility.
+    preferred_element_type: output dtype; default the lhs (source) dtype.
+    format, hadamard, hadamard_seed: quantization of raw operands.
+    grad_rhs_fp8: compute the rhs (weight) gradient in FP8 too; default
+      BF16, as the seed keeps weight gradients in BF16.
+    key: PRNG key for stochastic rounding of the output gradient.
+    implementation: None, "xla" or "mosaic".
+  """
+  del precision
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+  if len(lc) != 1 or len(rc) != 1:
+    raise NotImplementedError(
+      f"fp8_dot_general: exactly one contracting dimension, got {lc}, {rc}"
+    )
+  kw = dict(
+    preferred_element_type=preferred_element_type,
+    format=format,
+    hadamard=hadamard,
+    hadamard_seed=hadamard_seed,
+    grad_rhs_fp8=grad_rhs_fp8,
+    key=key,
+    implementation=implementation,
+  )
+  if lb or rb:
+    if isinstance(lhs, Fp8Tensor) or isinstance(rhs, Fp8Tensor):
+      raise NotImplementedError(
+        "fp8_dot_general: batch dimensions need raw operands"
+      )
+    if len(lb) != len(rb):
+      raise ValueError(f"batch dimensions {lb} and {rb} differ in number")
+    # Batch dims to the front, then vmap over them one at a time.
+    lhs = jnp.moveaxis(lhs, lb, tuple(range(len(lb))))
+    rhs = jnp.moveaxis(rhs, rb, tuple(range(len(rb))))
+    lc2 = _moved_index(lc[0], lb)
+    rc2 = _moved_index(rc[0], rb)
+    nb = len(lb)
+
+    def unbatched(x, w):
+      return fp8_dot_general(x, w, (((lc2 - nb,), (rc2 - nb,)), ((), ())), **kw)
+
+    f = unbatched
+    for _ in range(nb):
+      f = jax.vmap(f)
+    return f(lhs, rhs)
+  return _dot_unbatched(lhs, rhs, lc[0], rc[0], **kw)
+
+
+def _moved_index(i: int, batch: tuple[int, ...]) -> int:
+  """Where axis `i` lands after moving `batch` axes to the front."""
+  return len(batch) + i - sum(b < i for b in batch)
+
+
+def _dot_unbatched(
+  lhs,
+  rhs,
+  lc: int,
+  rc: int,
+  *,
+  preferred_element_type,
+  format,
+  hadamard,
+  hadamard_seed,
+  grad_rhs_fp8,
+  key,
+  implementation,
+):
+  qkw = dict(
+    format=format,
+    hadamard=hadamard,
+    hadamard_seed=hadamard_seed,
+    implementation=implementation,
+  )
+  if not isinstance(lhs, Fp8Tensor):
+    lhs = quantize(lhs, axis=lc, kind="activation", **qkw)
+  if not isinstance(rhs, Fp8Tensor):
+    rhs = quantize(rhs, axis=rc, kind="weight", **qkw)
+  lc, rc = lc % len(lhs.shape), rc % len(rhs.shape)
+  for t, axis, name in ((lhs, lc, "lhs"), (rhs, rc, "rhs")):
+    if t.axis != axis:
+      raise ValueError(
+        f"fp8_dot_general: {name} was quantized along axis {t.axis} but is"
+        f" contracted along {axis}; quantize it along the contraction axis"
+      )
+  if (lhs.hadamard, lhs.hadamard_seed) != (rhs.hadamard, rhs.hadamard_seed):
+    raise ValueError(
+      "fp8_dot_general: both operands need the same Hadamard transform, got"
+      f" {(lhs.hadamard, lhs.hadamard_seed)} and"
+      f" {(rhs.hadamard, rhs.hadamard_seed)}"
+    )
+  if lhs.shape[lc] != rhs.shape[rc]:
+    raise ValueError(
+      f"contracting sizes differ: {lhs.shape[lc]} and {rhs.shape[rc]}"
+    )
+  out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+  cfg = _Cfg(
+    a_block=lhs.block,
+    b_block=rhs.block,
+    grad_block=fmt.get_format(format).activation_block,
+    hadamard=lhs.hadamard,
+    hadamard_seed=lhs.hadamard_seed,
+    out_dtype=out_dtype,
+    a_dtype=jnp.dtype(lhs.dtype),
+    b_dtype=jnp.dtype(rhs.dtype),
+    grad_rhs_fp8=grad_rhs_fp8,
+    implementation=implementation,
+    grad_lhs=lhs.source is not None,
+    grad_rhs=rhs.source is not None,
+  )
+  a_v, a_s, a_src = _as_matrix(lhs)
+  b_v, b_s, b_src = _as_matrix(rhs)
+  out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
+  free_l = tuple(d for i, d in enumerate(lhs.shape) if i != lc)
+  free_r = tuple(d for i, d in enumerate(rhs.shape) if i != rc)
+  return out.reshape(free_l + free_r)
+
+
+def fp8_dot_general_reference(lhs, rhs, dimension_numbers, **kwargs):
+  """The same op on the `jnp` reference path (`implementation="xla"`)."""
+  return fp8_dot_general(
+    lhs, rhs, dimension_numbers, implementation="xla", **kwargs
+  )

@@ -1,0 +1,280 @@
+"""Fused FP8 quantization in one Pallas Mosaic GPU kernel (G4).
+
+One pass over `x_rc` (bf16): optional random Hadamard transform, block maxima,
+power-of-two scales, optional stochastic rounding, e4m3 cast; writes the
+values `v_rc` and the scales. Each program (one warpgroup) owns a
+`64 x 128` tile of `x`:
+
+1. TMA brings the tile into shared memory.
+2. Hadamard: one wgmma of the tile with `blockdiag(D H)` (+-1 entries, exact
+   in bf16; f32 accumulation), times `1/sqrt(hb)`. `hb` in {32, 64, 128}.
+   Without Hadamard the tile is read from shared memory into registers.
+3. Block maxima. 1x128 blocks: a row reduction (inside each warp).
+   32x32 blocks: a row maximum over each 32-column chunk (inside the warp),
+   then the maximum over 32 rows, which spans two warps: the 64 row maxima go
+   through shared memory and come back as a column vector, whose maximum
+   along the row is again a reduction inside the warp. No atomics.
+4. Scale, rounding (RN or stochastic, with counter-based random bits from
+   `hash32(row * c + col ^ seed)`), cast: the same integer arithmetic as the
+   reference (`format.py`), so kernel and reference agree bit for bit up to
+   the order of the Hadamard sums.
+5. Values and scales go back by TMA. Scales are written in the layout the
+   matmul kernel reads, one per (column block, row): `se_Cr`, `[c/bc, r]`;
+   the wrapper derives the compact `s_RC` from it.
+
+`r` must be a multiple of 64 and `c` of 128 (the wrapper pads).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8 import format as fmt
+
+TILE_R = 64
+TILE_C = 128
+SUPPORTED_BLOCKS = ((32, 32), (1, 128))
+SUPPORTED_HADAMARD = (None, 32, 64, 128)
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def _bcast_rows(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _quantize_chunk(y, amax, seed_b, row0, col0, n_cols, sr: bool):
+  """Scale, round and cast one `[64, w]` chunk; returns (e4m3, scale)."""
+  scale, inv = fmt.pow2_scale(amax)
+  y = y * _bcast_rows(inv, y.shape)
+  bits = None
+  if sr:
+    rows = plgpu.broadcasted_iota(
+      jnp.int32, y.shape, 0, layout=plgpu.Layout.WGMMA
+    )
+    cols = plgpu.broadcasted_iota(
+      jnp.int32, y.shape, 1, layout=plgpu.Layout.WGMMA
+    )
+    bits = fmt.random_bits(seed_b, rows + row0, cols + col0, n_cols)
+  return fmt.round_e4m3(y, bits).astype(fmt.E4M3), scale
+
+
+def _tile_body(
+  xh, seed, rm_smem, q_smem, s_smem, *, block, row0, col0, n_cols, sr
+):
+  """Quantize one `[64, 128]` f32 tile (already Hadamard-transformed)."""
+  if block == (1, 128):
+    amax = jnp.max(jnp.abs(xh), axis=1)  # [64]
+    seed_b = _bcast_rows(seed, xh.shape) if sr else None
+    q, scale = _quantize_chunk(xh, amax, seed_b, row0, col0, n_cols, sr)
+    q_smem[...] = q
+    s_smem[0, :] = scale
+    return
+  # 32x32 blocks: four 32-column chunks.
+  chunks = [xh[:, 32 * k : 32 * (k + 1)] for k in range(4)]
+  for k, xc in enumerate(chunks):
+    rm_smem[k, :] = jnp.max(jnp.abs(xc), axis=1)  # row maxima, [64]
+  plgpu.commit_smem()  # all four warps' row maxima are visible
+  row_ids = plgpu.broadcasted_iota(
+    jnp.int32, (TILE_R, 32), 0, layout=plgpu.Layout.WGMMA
+  )
+  top_rows = row_ids < 32
+  seed_b = _bcast_rows(seed, (TILE_R, 32)) if sr else None
+  qs = []
+  for k, xc in enumerate(chunks):
+    top = plgpu.load(rm_smem.at[k, pl.ds(0, 32)], layout=_COL)  # [32]
+    bot = plgpu.load(rm_smem.at[k, pl.ds(32, 32)], layout=_COL)
+    both = jnp.where(
+      top_rows,
+      lax.broadcast_in_dim(top, (TILE_R, 32), [1]),
+      lax.broadcast_in_dim(bot, (TILE_R, 32), [1]),
+    )
+    amax = jnp.max(both, axis=1)  # [64]: the block maximum of each row
+    q, scale = _quantize_chunk(
+      xc, amax, seed_b, row0, col0 + 32 * k, n_cols, sr
+    )
+    qs.append(q)
+    s_smem[k, :] = scale
+  q_smem[...] = jnp.concatenate(qs, axis=1)
+
+
+def _kernel(
+  x_gmem,
+  h_gmem,
+  seed_gmem,
+  q_gmem,
+  se_gmem,
+  h_smem,
+  seed_smem,
+  rm_smem,
+  qo_smem,
+  so_smem,
+  bar,
+  *,
+  block,
+  hb,
+  sr,
+  n_cols,
+  steps,
+  max_concurrent_steps,
+):
+  cb = TILE_C // block[1]  # scale rows per tile
+  ct, rt = lax.axis_index("c"), lax.axis_index("r")
+  rows = pl.ds(rt * (steps * TILE_R), steps * TILE_R)
+  if hb is not None:
+    plgpu.copy_gmem_to_smem(h_gmem, h_smem, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+  if sr:
+    plgpu.copy_gmem_to_smem(seed_gmem, seed_smem, bar.at[1])
+    plgpu.barrier_wait(bar.at[1])
+
+  def body(idx, x_smem):
+    (s,) = idx
+    slot = lax.rem(s, 2)
+    # The stores issued two steps ago read this slot: let them finish (each
+    # step commits two bulk groups, values and scales).
+    plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+    if hb is None:
+      xh = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    else:
+
+      def mm(acc_ref):
+        plgpu.wgmma(acc_ref, x_smem, h_smem)
+        return acc_ref[...]
+
+      xh = pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32))
+      xh = xh * fmt.hadamard_norm(hb)
+    seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
+    _tile_body(
+      xh,
+      seed,
+      rm_smem.at[slot],
+      qo_smem.at[slot],
+      so_smem.at[slot],
+      block=block,
+      row0=(rt * steps + s) * TILE_R,
+      col0=ct * TILE_C,
+      n_cols=n_cols,
+      sr=sr,
+    )
+    plgpu.commit_smem()
+    tile_rows = pl.ds((rt * steps + s) * TILE_R, TILE_R)
+    plgpu.copy_smem_to_gmem(
+      qo_smem.at[slot], q_gmem.at[tile_rows, pl.ds(ct * TILE_C, TILE_C)]
+    )
+    plgpu.copy_smem_to_gmem(
+      so_smem.at[slot], se_gmem.at[pl.ds(ct * cb, cb), tile_rows]
+    )
+
+  swz = plgpu.SwizzleTransform(128)
+  bf16_tiles = (plgpu.TilingTransform((8, 64)), swz)
+  plgpu.emit_pipeline(
+    body,
+    grid=(steps,),
+    in_specs=[
+      plgpu.BlockSpec((TILE_R, TILE_C), lambda s: (s, 0), transforms=bf16_tiles)
+    ],
+    max_concurrent_steps=max_concurrent_steps,
+  )(x_gmem.at[rows, pl.ds(ct * TILE_C, TILE_C)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _hadamard_tile(hb: int, seed: int):
+  """`blockdiag(D H)` over one 128-column tile, bf16 (+-1 and 0: exact)."""
+  import numpy as np
+
+  m = fmt.hadamard_signed(hb, seed)
+  t = np.zeros((TILE_C, TILE_C), np.float32)
+  for b in range(TILE_C // hb):
+    t[b * hb : (b + 1) * hb, b * hb : (b + 1) * hb] = m
+  return jnp.asarray(t, jnp.bfloat16)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "block",
+    "hadamard",
+    "hadamard_seed",
+    "sr",
+    "interpret",
+    "num_sms",
+    "n_cols",
+  ),
+)
+def quantize_mgpu(
+  x_rc,
+  seed_hash=None,
+  *,
+  block,
+  hadamard=None,
+  hadamard_seed=0,
+  sr=False,
+  interpret=False,
+  num_sms=132,
+  n_cols=None,
+):
+  """`(v_rc, se_Cr)` for bf16 `x_rc` with `r % 64 == 0`, `c % 128 == 0`.
+
+  `n_cols`: the unpadded column count, which indexes the random bits of
+  stochastic rounding (so padding does not change them).
+  """
+  r, c = x_rc.shape
+  block = tuple(block)
+  if block not in SUPPORTED_BLOCKS or hadamard not in SUPPORTED_HADAMARD:
+    raise NotImplementedError(f"quantize_mgpu: {block=} {hadamard=}")
+  if r % TILE_R or c % TILE_C:
+    raise ValueError(f"quantize_mgpu needs r % 64 == c % 128 == 0, {r=} {c=}")
+  x_rc = x_rc.astype(jnp.bfloat16)
+  bc = block[1]
+  h = _hadamard_tile(hadamard or 32, hadamard_seed)
+  seed = jnp.full(
+    (TILE_R,), 0 if seed_hash is None else seed_hash, dtype=jnp.int32
+  )
+  row_tiles, col_tiles = r // TILE_R, c // TILE_C
+  # Enough programs to fill the chip several times over; each walks `steps`
+  # row tiles of one column tile through a TMA pipeline.
+  steps = _steps_per_program(row_tiles, col_tiles, num_sms)
+  swz = plgpu.SwizzleTransform(128)
+  bf16_tiles = (plgpu.TilingTransform((8, 64)), swz)
+  kernel = functools.partial(
+    _kernel,
+    block=block,
+    hb=hadamard,
+    sr=sr,
+    n_cols=n_cols or c,
+    steps=steps,
+    max_concurrent_steps=min(steps, 2),
+  )
+  return plgpu.kernel(
+    kernel,
+    out_type=(
+      jax.ShapeDtypeStruct((r, c), fmt.E4M3),
+      jax.ShapeDtypeStruct((c // bc, r), jnp.float32),
+    ),
+    grid=(col_tiles, row_tiles // steps),
+    grid_names=("c", "r"),
+    scratch_types=(
+      plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=bf16_tiles),
+      plgpu.SMEM((TILE_R,), jnp.int32),
+      plgpu.SMEM((2, 4, TILE_R), jnp.float32),
+      plgpu.SMEM((2, TILE_R, TILE_C), fmt.E4M3),
+      plgpu.SMEM((2, TILE_C // bc, TILE_R), jnp.float32),
+      plgpu.Barrier(num_barriers=2),
+    ),
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(x_rc, h, seed)
+
+
+def _steps_per_program(row_tiles: int, col_tiles: int, num_sms: int) -> int:
+  """Largest divisor of `row_tiles` leaving >= 4 programs per SM."""
+  best = 1
+  for d in range(1, row_tiles + 1):
+    if row_tiles % d == 0 and col_tiles * (row_tiles // d) >= 4 * num_sms:
+      best = d
+  return best
