@@ -143,9 +143,12 @@ def gather(parts, batch: int, tokens: int, cands: int) -> JaggedBatch:
     raise ValueError("requests do not fit the buffers (first_fit first)")
 
   def pad(chunks, size, dtype, tail=()):
-    out = np.zeros((size,) + tail, dtype)
-    flat = np.concatenate(chunks) if chunks else out[:0]
-    out[: flat.shape[0]] = flat
+    out = np.empty((size,) + tail, dtype)
+    m = 0
+    for c in chunks:
+      out[m : m + c.shape[0]] = c
+      m += c.shape[0]
+    out[m:] = 0
     return out
 
   def offsets(ls):

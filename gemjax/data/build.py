@@ -105,41 +105,46 @@ def quota_keep(counts_ra: np.ndarray, cfg: DataConfig) -> np.ndarray:
   return keep
 
 
-def newest_mask(seg, groups, keep_rg, num_groups: int) -> np.ndarray:
-  """bool[t]: within each (seg, group) keep the newest keep_rg[seg, group].
+def newest_mask(seg, group, keep_rg, counts_rg=None) -> np.ndarray:
+  """bool[t]: in each (seg, group) run keep its newest keep_rg[seg, group].
 
-  Inputs in time order inside each segment. Rank from the newest event of a
-  (seg, group) run is computed with one cumulative sum per group value.
+  seg: int[t] sorted, events in time order inside a segment; group: small
+  ints (int8) in [0, G); keep_rg: int[r, G]. One stable counting sort by
+  group (numpy's radix sort for 8-bit keys) ranks every event among all
+  events of its group in array order; a (seg, group) run is then a
+  contiguous rank interval ending at end[seg, group] (exclusive), so event i
+  is among the newest k of its run iff rank_i >= end[seg_i, group_i] - k.
   """
+  r, g = keep_rg.shape
   n = seg.shape[0]
-  mask = np.zeros(n, bool)
-  for g in range(num_groups):
-    m = groups == g
-    if not m.any():
-      continue
-    c = np.cumsum(m)  # events of group g up to and including here
-    ends = np.cumsum(np.bincount(seg[m], minlength=keep_rg.shape[0]))
-    from_newest = ends[seg] - c  # 0 for the newest event of its run
-    mask |= m & (from_newest < keep_rg[seg, g])
-  return mask
+  if counts_rg is None:
+    counts_rg = np.bincount(seg * g + group, minlength=r * g).reshape(r, g)
+  order = np.argsort(group, kind="stable")
+  rank = np.empty(n, np.int64)
+  rank[order] = np.arange(n)
+  group_start = np.concatenate([[0], np.cumsum(counts_rg.sum(0))[:-1]])
+  end = np.cumsum(counts_rg, axis=0) + group_start[None, :]
+  thresh = (end - keep_rg).reshape(-1)
+  return rank >= thresh[seg * g + group]
 
 
 def _quota_and_truncate(seg, action, cfg, r, counters):
   """bool[t]: events kept by the action quota, then the max length cut."""
   a = len(ACTIONS)
+  action = action.astype(np.int8)
   counts = np.bincount(seg * a + action, minlength=r * a).reshape(r, a)
   keep = quota_keep(counts, cfg)
   for i, name in enumerate(ACTIONS):
     _add(counters, f"quota_dropped_{name}", (counts[:, i] - keep[:, i]).sum())
-  mask = newest_mask(seg, action, keep, a)
-  # Max length, newest kept.
+  mask = newest_mask(seg, action, keep, counts)
+  # Max length, newest kept: rank kept events inside their segment.
   kept = keep.sum(1)
   over = kept > cfg.max_seq_len
   if over.any():
     _add(counters, "truncated_requests", over.sum())
     _add(counters, "truncated_events", (kept[over] - cfg.max_seq_len).sum())
-    cap = np.full((r, 1), cfg.max_seq_len, np.int64)
-    mask &= newest_mask(seg, np.where(mask, 0, 1), cap, 1)
+    c = np.cumsum(mask)  # kept events up to and including here
+    mask &= c > (np.cumsum(kept) - cfg.max_seq_len)[seg]
   return mask
 
 
@@ -156,13 +161,24 @@ def _windows(log: EventLog, req: Requests, cfg, counters):
 
 
 def build_sequences(
-  log: EventLog, req: Requests, cfg: DataConfig, counters=None
+  log: EventLog,
+  req: Requests,
+  cfg: DataConfig,
+  counters=None,
+  method: str = "auto",
 ):
   """Index-only building (O4). Returns (offsets int64[r+1], columns, seg).
 
   columns: the log's columns gathered once at the kept events (`ts`, `item`,
   `category`, `action`, `price`, extras); seg int64[t]: request of each event.
+  method: "mask" (any dedup rule: masks over the window index array),
+  "positions" (dedup "none" / "consecutive": per-action position lists of
+  the log, see `_build_positions`), "auto" (positions when it applies).
   """
+  if method == "auto":
+    method = "positions" if cfg.dedup in ("none", "consecutive") else "mask"
+  if method == "positions":
+    return _build_positions(log, req, cfg, counters)
   r = len(req)
   start, end = _windows(log, req, cfg, counters)
   idx = ranges(start, end)  # the one index array
@@ -171,12 +187,102 @@ def build_sequences(
     m = dedup_mask(seg, log.item[idx], log.action[idx], cfg.dedup)
     _add(counters, "dedup_dropped", m.size - m.sum())
     idx, seg = idx[m], seg[m]
-  m = _quota_and_truncate(
-    seg, log.action[idx].astype(np.int64), cfg, r, counters
-  )
+  m = _quota_and_truncate(seg, log.action[idx], cfg, r, counters)
   idx, seg = idx[m], seg[m]
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
   return segment_starts(seg, r), cols, seg
+
+
+def action_positions(log: EventLog, dedup: str) -> list[np.ndarray]:
+  """Per action, the sorted log positions of its events that survive dedup.
+
+  A property of the log (cached on it): "consecutive" dedup compares an
+  event with the previous one of the same user, and every history window
+  starts at its user's first event, so it is the same for all windows.
+  """
+  cache = log.__dict__.setdefault("_positions", {})
+  if dedup not in cache:
+    n = len(log)
+    valid = np.ones(n, bool)
+    if dedup == "consecutive" and n:
+      valid[1:] = (
+        (log.user[1:] != log.user[:-1])
+        | (log.item[1:] != log.item[:-1])
+        | (log.action[1:] != log.action[:-1])
+      )
+    elif dedup != "none":
+      raise ValueError(f"no position index for dedup {dedup!r}")
+    cache[dedup] = [
+      np.flatnonzero(valid & (log.action == a)) for a in range(len(ACTIONS))
+    ]
+  return cache[dedup]
+
+
+def _build_positions(log, req, cfg, counters):
+  """Index-only building from per-action position lists (O2 + O4).
+
+  Let P_a be the sorted log positions of the (dedup-surviving) events of
+  action a. For a request with window [s, e), `searchsorted(P_a, e)` -
+  `searchsorted(P_a, s)` counts its a-events, and the quota keeps the newest
+  k_a of them: the slice P_a[hi_a - k_a : hi_a]. The max-length cut is a
+  binary search, per request, for the position q above which exactly
+  `max_seq_len` kept events remain (f(q) = sum_a hi_a - max(lo_a,
+  searchsorted(P_a, q)) drops by one at each kept event). All of this is
+  O(requests x log n); no pass over the raw window is needed except one
+  over a byte mask to restore time order: kept positions are set in a
+  per-window bool buffer and read back with `flatnonzero`.
+  """
+  r = len(req)
+  start, end = _windows(log, req, cfg, counters)
+  pos = action_positions(log, cfg.dedup)
+  hi = np.stack([np.searchsorted(p, end) for p in pos], 1)  # [r, A]
+  lo0 = np.stack([np.searchsorted(p, start) for p in pos], 1)
+  counts = hi - lo0
+  _add(counters, "dedup_dropped", (end - start).sum() - counts.sum())
+  keep = quota_keep(counts, cfg)
+  for i, name in enumerate(ACTIONS):
+    _add(counters, f"quota_dropped_{name}", (counts[:, i] - keep[:, i]).sum())
+  lo = hi - keep
+  total = keep.sum(1)
+  over = np.flatnonzero(total > cfg.max_seq_len)
+  if over.size:
+    _add(counters, "truncated_requests", over.size)
+    _add(counters, "truncated_events", (total[over] - cfg.max_seq_len).sum())
+    qa, qb = start[over].copy(), end[over].copy()
+    lo_o, hi_o = lo[over], hi[over]
+
+    def kept_from(q):  # kept events at positions >= q, per over-request
+      f = np.zeros(q.shape, np.int64)
+      for a, p in enumerate(pos):
+        f += hi_o[:, a] - np.maximum(lo_o[:, a], np.searchsorted(p, q))
+      return f
+
+    # Largest q with kept_from(q) >= max_seq_len; then it equals it.
+    while (qa < qb).any():
+      mid = (qa + qb + 1) // 2
+      ok = kept_from(mid) >= cfg.max_seq_len
+      qa = np.where(ok, mid, qa)
+      qb = np.where(ok, qb, mid - 1)
+    lo[over] = np.maximum(
+      lo_o, np.stack([np.searchsorted(p, qa) for p in pos], 1)
+    )
+  n_keep = (hi - lo).sum(1)
+  # Time order: mark kept positions in a bool buffer over all windows.
+  wlen = end - start
+  wstart = np.cumsum(wlen) - wlen
+  shift = wstart - start  # window buffer index = log position + shift[r]
+  buf = np.zeros(int(wlen.sum()), bool)
+  for a, p in enumerate(pos):
+    n_a = hi[:, a] - lo[:, a]
+    kept = p[ranges(lo[:, a], hi[:, a])]
+    buf[kept + np.repeat(shift, n_a)] = True
+  flat = np.flatnonzero(buf)
+  del buf
+  seg = np.repeat(np.arange(r, dtype=np.int64), n_keep)
+  idx = flat - np.repeat(shift, n_keep)
+  cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
+  offsets = np.concatenate([[0], np.cumsum(n_keep)]).astype(np.int64)
+  return offsets, cols, seg
 
 
 def build_sequences_naive(log, req, cfg, counters=None):
@@ -192,9 +298,7 @@ def build_sequences_naive(log, req, cfg, counters=None):
     _add(counters, "dedup_dropped", m.size - m.sum())
     cols = {k: v[m] for k, v in cols.items()}  # copy 2: dedup
     seg = seg[m]
-  m = _quota_and_truncate(
-    seg, cols["action"].astype(np.int64), cfg, r, counters
-  )
+  m = _quota_and_truncate(seg, cols["action"], cfg, r, counters)
   cols = {k: v[m] for k, v in cols.items()}  # copy 3: quota
   seg = seg[m]
   return segment_starts(seg, r), cols, seg
@@ -208,8 +312,8 @@ def seq_features(offsets, cols, seg, req_ts, cfg) -> dict[str, np.ndarray]:
     cols["ts"], first, np.asarray(req_ts, np.int64)[seg], cols["price"], cfg
   )
   return {
-    "item_id": cols["item"].astype(np.int32),
-    "category_id": cols["category"].astype(np.int32),
+    "item_id": cols["item"].astype(np.int32, copy=False),
+    "category_id": cols["category"].astype(np.int32, copy=False),
     "action": cols["action"].astype(np.int32),
     "ts_delta": ctx["ts_delta"],
     "ts_to_req": ctx["ts_to_req"],

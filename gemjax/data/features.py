@@ -26,6 +26,8 @@ inf) (~34 years); prices with B = 1.5 and 48 buckets: [0, 0.5), [0.5, 1.25),
 a floating log).
 """
 
+import functools
+
 import numpy as np
 
 
@@ -35,10 +37,55 @@ def bucket_edges(base: float, num_buckets: int) -> np.ndarray:
 
 
 def log_bucket(x, base: float, num_buckets: int) -> np.ndarray:
-  """Bucket ids (int32, same shape as x); x < 0 (missing) -> 0."""
-  x = np.asarray(x, np.float64)
-  ids = np.searchsorted(bucket_edges(base, num_buckets), x, side="right")
-  return ids.astype(np.int32)
+  """Bucket ids (int32, same shape as x); x < 0 (missing) -> 0.
+
+  Equal to `searchsorted(bucket_edges(base, num_buckets), x, "right")`, but
+  ~10x faster than that or than `np.log1p` (both ~25-90 ns per element
+  here); this runs on every history event of every request:
+    integers with base 2: bucket = floor(log2(1 + x)) + 1, read from the
+      exponent bits of float64(1 + x) (exact for |x| < 2^53);
+    float32: a table indexed by the top 18 bits of the float (sign,
+      exponent, 10 mantissa bits) gives the bucket of each cell's lowest
+      value; an edge inside a cell is handled by one comparison with the
+      edges rounded up to float32 (exact for float32 inputs);
+    anything else goes through searchsorted.
+  """
+  x = np.asarray(x)
+  top = num_buckets - 1
+  if base == 2.0 and np.issubdtype(x.dtype, np.integer):
+    f = (np.maximum(x, -1) + 1).astype(np.float64)  # missing -> 0.0
+    k = (f.view(np.int64) >> 52) - 1022  # 1 + x = m 2^(k) with m in [.5, 1)
+    np.clip(k, 0, top, out=k)  # f = 0.0 (missing) gives -1022 -> 0
+    return k.astype(np.int32)
+  if x.dtype == np.float32 and base - 1 > 2.0**-8:
+    table, edges_up = _f32_table(float(base), num_buckets)
+    bits = x.view(np.int32)
+    k = table[np.maximum(bits, 0) >> _SHIFT]
+    k += x >= edges_up[k]  # edges_up[top] = inf
+    k[x < 0] = 0
+    return k.astype(np.int32)
+  edges = bucket_edges(base, num_buckets)
+  return np.searchsorted(edges, x, side="right").astype(np.int32)
+
+
+_SHIFT = 13  # float32 bits dropped: cells of 2^-10 relative width
+
+
+@functools.lru_cache(maxsize=16)
+def _f32_table(base: float, num_buckets: int):
+  edges = bucket_edges(base, num_buckets)
+  up = edges.astype(np.float32)
+  low = up < edges  # rounded down: the first float32 >= edge is the next one
+  up[low] = np.nextafter(up[low], np.float32(np.inf))
+  # A cell whose lowest value is in bucket k (>= 1) holds values of bucket
+  # k + 1 from edges[k] on; edges_up[k] = edges[k] rounded up, inf for top.
+  edges_up = np.concatenate([up, [np.inf]]).astype(np.float32)
+  cells = np.arange(1 << (31 - _SHIFT), dtype=np.int64) << _SHIFT
+  lows = cells.astype(np.int32).view(np.float32)
+  with np.errstate(invalid="ignore"):  # NaN bit patterns: any bucket
+    table = np.searchsorted(edges, lows.astype(np.float64), side="right")
+  dtype = np.int8 if num_buckets < 127 else np.int32
+  return table.astype(dtype), edges_up
 
 
 def context_features(ts, first, req_ts, price, cfg) -> dict[str, np.ndarray]:

@@ -73,6 +73,7 @@ EVAL_BLOCK = 256  # eval requests per generated block (independent of shards)
 _T0 = 1_700_000_000  # request times: train in [T0, T0+30d), eval 30 days on
 _DAY = 86_400
 _FAV_W = np.array([0.4, 0.3, 0.2, 0.1])
+_FAV_CDF = np.cumsum(_FAV_W)[:-1]
 _ACTION_W = np.array([0.2, 1.0, 2.0, 3.0])  # impression, click, cart, order
 _DECAY_S = 30 * _DAY
 # Coefficients of the hidden model (module docstring); tuned so that the
@@ -99,6 +100,7 @@ class World:
   item_price: np.ndarray  # float64[I] base price
   cat_price: np.ndarray  # float64[K] median price
   user_fav: np.ndarray  # int32[U, 4]
+  cat_alias: tuple  # (prob float64[K], alias int64[K]) for O(1) draws
 
 
 @functools.lru_cache(maxsize=4)
@@ -117,8 +119,32 @@ def world(cfg: DataConfig) -> World:
   item_price = cat_price[item_cat] * np.exp(rng.normal(0.0, 0.5, n))
   user_fav = rng.choice(k, size=(cfg.num_users, 4), p=cat_p).astype(np.int32)
   return World(
-    cat_p, item_cat, cat_items, cat_start, item_price, cat_price, user_fav
+    cat_p,
+    item_cat,
+    cat_items,
+    cat_start,
+    item_price,
+    cat_price,
+    user_fav,
+    _alias_table(cat_p),
   )
+
+
+def _alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Walker/Vose alias table: draw i uniformly, keep it with prob[i], else
+  take alias[i]; O(1) per draw instead of a binary search over the CDF."""
+  k = p.size
+  scaled = p * k
+  prob = np.ones(k)
+  alias = np.arange(k)
+  small = [i for i in range(k) if scaled[i] < 1.0]
+  large = [i for i in range(k) if scaled[i] >= 1.0]
+  while small and large:
+    s, g = small.pop(), large.pop()
+    prob[s], alias[s] = scaled[s], g
+    scaled[g] -= 1.0 - scaled[s]
+    (small if scaled[g] < 1.0 else large).append(g)
+  return prob, alias
 
 
 def _zipf(n: int, a: float) -> np.ndarray:
@@ -136,9 +162,15 @@ def _sample_items(w: World, cats, rng) -> np.ndarray:
 
 def _categories(w: World, fav_rows, is_fav, rng) -> np.ndarray:
   """Favourite category of `fav_rows` users where is_fav, else by popularity."""
-  fav_pick = rng.choice(4, size=is_fav.shape, p=_FAV_W)
-  glob = rng.choice(w.cat_p.size, size=is_fav.shape, p=w.cat_p)
-  return np.where(is_fav, w.user_fav[fav_rows, fav_pick], glob).astype(np.int64)
+  out = np.empty(is_fav.shape, np.int64)
+  fav = np.flatnonzero(is_fav)
+  pick = np.searchsorted(_FAV_CDF, rng.random(fav.size), side="right")
+  out[fav] = w.user_fav[fav_rows[fav], pick]
+  glob = np.flatnonzero(~is_fav)
+  prob, alias = w.cat_alias
+  i = rng.integers(0, prob.size, glob.size)
+  out[glob] = np.where(rng.random(glob.size) < prob[i], i, alias[i])
+  return out
 
 
 def generate_raw(cfg: DataConfig, split: int, shard: int, block: int, r: int):
@@ -256,14 +288,16 @@ def hidden_probs(cfg, req: Requests, offsets, cols, seg):
   tot = np.bincount(seg, weights=wt, minlength=r)[cseg] + 1.0
   a_cat = a_cat[cseg * k + cc] / tot
   d_cat = d_cat[cseg * k + cc] / tot
-  # Item share: weights per (request, item) via sorted unique keys.
-  key_i = seg * cfg.num_items + cols["item"].astype(np.int64)
-  uniq, inv = np.unique(key_i, return_inverse=True)
-  sums = np.bincount(inv, weights=wt, minlength=uniq.size)
+  # Item share: look every history event up among the (few) candidate
+  # (request, item) keys, then sum weights per candidate key.
   q = cseg * cfg.num_items + ci
-  if uniq.size:
-    pos = np.minimum(np.searchsorted(uniq, q), uniq.size - 1)
-    a_item = np.where(uniq[pos] == q, sums[pos], 0.0) / tot
+  uq, q_inv = np.unique(q, return_inverse=True)
+  key_i = seg * cfg.num_items + cols["item"]
+  if uq.size:
+    pos = np.minimum(np.searchsorted(uq, key_i), uq.size - 1)
+    hit = uq[pos] == key_i
+    sums = np.bincount(pos[hit], weights=wt[hit], minlength=uq.size)
+    a_item = sums[q_inv] / tot
   else:
     a_item = np.zeros(q.shape)
   pop = -np.log1p(ci) / np.log(max(cfg.num_items, 2))

@@ -117,7 +117,13 @@ def test_index_only_and_naive_match_reference(dedup, quota, max_len):
   )
   log, req = random_case(hash((dedup, quota, max_len)) % 1000)
   want = reference(log, req, cfg)
-  for fn in (build.build_sequences, build.build_sequences_naive):
+  fns = [
+    build.build_sequences_naive,
+    lambda *a: build.build_sequences(*a, method="mask"),
+  ]
+  if dedup in ("none", "consecutive"):
+    fns.append(lambda *a: build.build_sequences(*a, method="positions"))
+  for fn in fns:
     counters = {}
     offsets, cols, seg = fn(log, req, cfg, counters)
     for i, rows in enumerate(want):
