@@ -1,4 +1,4 @@
-"""Jagged (unpadded) attention over packed sequences with offsets (G1, O7, O10)."""
+"""Jagged (unpadded) attention over packed sequences (G1, O7, O10)."""
 
 from pallas_kernels.jagged_attention.op import jagged_attention
 from pallas_kernels.jagged_attention.reference import (

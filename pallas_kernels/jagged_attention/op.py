@@ -1,13 +1,144 @@
-"""Public jagged-attention op: dispatch between implementations."""
+"""Public jagged-attention op: `custom_vjp` over Mosaic GPU kernels, dispatch.
+
+`jagged_attention(..., implementation=None)` runs the Mosaic GPU kernels
+(`mosaic_gpu.py`) on a GPU and the plain-`jnp` reference elsewhere;
+`implementation="mosaic"` on CPU runs the same kernels under Pallas's GPU
+interpret mode (slow; tests only). See `mosaic_gpu.py` for the technique.
+"""
 
 import functools
 
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
 from pallas_kernels import dispatch
+from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.reference import (
+  check_offsets,
   jagged_attention_reference,
 )
 
-IMPLEMENTATIONS = {"xla": jagged_attention_reference}
+BlockSizes = mg.BlockSizes
+
+
+def _delta_tile_padded(o_tnh, do_tnh, q_offsets, block_q, num_items):
+  """`rowsum(O * dO)` in the forward's tile-padded layout `f32[n, i * 64]`."""
+  rows, ok = mg.tile_rows(q_offsets, o_tnh.shape[0], block_q, num_items)
+  delta_tn = jnp.einsum(
+    "tnh,tnh->tn", o_tnh.astype(jnp.float32), do_tnh.astype(jnp.float32)
+  )
+  return jnp.where(ok[:, None], delta_tn[rows], 0.0).T  # [n, i * 64]
+
+
+def _fwd(static, q, k, v, q_off, kv_off):
+  bs = static.block_sizes
+  items, sched = mg.query_items(
+    q_off,
+    kv_off,
+    q.shape[0],
+    block_q=bs.block_q,
+    block_kv=bs.block_kv,
+    causal=static.causal,
+  )
+  k_side = mg.side_tiles(k, kv_off, bs.block_kv)
+  v_side = mg.side_tiles(v, kv_off, bs.block_kv)
+  o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
+  return o, (q, k, v, o, lse, q_off, kv_off, sched.tile_start_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, q_off, kv_off):
+  return _fwd(static, q, k, v, q_off, kv_off)[0]
+
+
+def _bwd(static, res, do):
+  q, k, v, o, lse, q_off, kv_off, tile_start_b = res
+  bs = static.block_sizes
+  t, s = q.shape[0], k.shape[0]
+  num_items = lse.shape[1] // bs.block_q
+  delta = _delta_tile_padded(o, do, q_off, bs.block_q, num_items)
+  items_q, _ = mg.query_items(
+    q_off,
+    kv_off,
+    t,
+    block_q=bs.block_q,
+    block_kv=bs.block_kv_dq,
+    causal=static.causal,
+  )
+  k_side = mg.side_tiles(k, kv_off, bs.block_kv_dq)
+  v_side = mg.side_tiles(v, kv_off, bs.block_kv_dq)
+  dq = mg.backward_dq(q, k, v, k_side, v_side, do, lse, delta, items_q, static)
+  items_kv = mg.key_items(
+    q_off,
+    kv_off,
+    s,
+    tile_start_b,
+    block_q=bs.block_q,
+    block_kv=2 * bs.block_kv_dkv,
+    causal=static.causal,
+  )
+  dk, dv = mg.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_fwd, _bwd)
+
+
+def jagged_attention_mosaic(
+  q_tnh,
+  k_skh,
+  v_skh,
+  q_offsets,
+  kv_offsets=None,
+  *,
+  causal: bool = False,
+  scale: float | None = None,
+  max_len_q: int | None = None,
+  max_len_kv: int | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret=None,
+):
+  """Mosaic GPU jagged attention (Hopper); same contract as the reference.
+
+  `max_len_q` / `max_len_kv` are only checked (on concrete offsets): the work
+  list is bounded by the buffer capacity. `interpret=None` compiles on a GPU
+  and runs GPU interpret mode elsewhere; `False` always compiles.
+  """
+  t, n, h = q_tnh.shape
+  s, kh, _ = k_skh.shape
+  if n % kh:
+    raise ValueError(f"query heads {n} must be a multiple of KV heads {kh}")
+  if h % 64 or h > 256:
+    raise ValueError(f"head dim {h} must be a multiple of 64, at most 256")
+  dtype = q_tnh.dtype
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"mosaic jagged attention takes bf16/fp16, got {dtype}")
+  if k_skh.dtype != dtype or v_skh.dtype != dtype:
+    raise ValueError("q, k and v must share one dtype")
+  if kv_offsets is None:
+    kv_offsets = q_offsets
+  check_offsets(q_offsets, t, "q_offsets", max_len_q)
+  check_offsets(kv_offsets, s, "kv_offsets", max_len_kv)
+  if interpret is None and jax.default_backend() != "gpu":
+    interpret = plgpu.InterpretGPUParams()
+  elif interpret is False:  # compile even off-GPU (cross-lowering checks)
+    interpret = None
+  static = mg._Static(
+    causal=causal,
+    scale=float(h**-0.5 if scale is None else scale),
+    block_sizes=block_sizes or BlockSizes.default(h),
+    interpret=interpret,
+  )
+  q_off = jnp.asarray(q_offsets, jnp.int32)
+  kv_off = jnp.asarray(kv_offsets, jnp.int32)
+  return _attention(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+
+
+IMPLEMENTATIONS = {
+  "xla": jagged_attention_reference,
+  "mosaic": jagged_attention_mosaic,
+}
 
 
 def jagged_attention(
@@ -33,8 +164,8 @@ def jagged_attention(
     causal: query position `p` sees key positions `<= p` of its sequence.
     scale: score scale, default `h ** -0.5`.
     max_len_q, max_len_kv: static upper bounds on one sequence's length.
-    implementation: `None` (best for the platform) or one of
-      `IMPLEMENTATIONS`.
+    implementation: `None` (Mosaic GPU on a GPU, else "xla"), "mosaic" or
+      "xla" (the plain-`jnp` reference).
 
   Returns `[t, n, h]`; rows past `q_offsets[-1]` and rows with no visible key
   are zero.

@@ -65,7 +65,7 @@ def to_padded(x_t, offsets_b, max_len: int):
 
 
 def from_padded(x_bl, offsets_b, num_rows: int):
-  """Padded `[b, l, ...]` -> packed `[num_rows, ...]`; rows past the data are 0."""
+  """Padded `[b, l, ...]` -> packed `[num_rows, ...]`; rows past data are 0."""
   b, max_len = x_bl.shape[:2]
   rows = jnp.arange(num_rows)
   # Sequence of each packed row, and the row's position inside it.

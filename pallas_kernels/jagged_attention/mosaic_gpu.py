@@ -1,0 +1,1004 @@
+"""Jagged flash attention for Hopper in Pallas Mosaic GPU (G1, O7, O10).
+
+Shapes (legend): `t` packed query rows, `s` packed key/value rows, `b`
+sequences, `n` query heads, `k` KV heads (`g = n // k` query heads share one),
+`h` head dim, `i` work items. Sequence `j` owns query rows
+`q_offsets[j]:q_offsets[j+1]` and key rows `kv_offsets[j]:kv_offsets[j+1]`.
+
+Math (per query row `p` of sequence `j`, per head, `c = scale * log2(e)`):
+
+    s_x = c * q_p . k_x          over the keys x the row sees
+    m   = max_x s_x,   l = sum_x 2^(s_x - m),   o_p = sum_x 2^(s_x - m) v_x / l
+
+computed online over key tiles (flash attention), with `lse = m + log2 l`
+saved for the backward, which recomputes `P = 2^(s - lse)` tile by tile and
+never materializes the `[L, L]` score matrix:
+
+    dP = dO V^T,  delta = rowsum(dO * O),  dS = P * (dP - delta)
+    dQ = scale dS K,   dK = scale dS^T Q,   dV = P^T dO
+
+Work list (no padding is ever computed). A grid over `[b, max_len]` would
+spend most CTAs on tiles past short sequences' ends. Instead
+`pallas_kernels.schedule` lists, on device inside `jit`, only the non-empty
+(sequence, 64-row tile) items, longest first (the hardware block scheduler
+then runs the long tiles of a 2K sequence first on separate SMs: greedy LPT).
+The forward and dQ kernels run one CTA per (query tile, pair of query heads);
+the dK/dV kernel one CTA per (128-row key tile, KV head).
+
+Boundaries by zero-fill, not masks (G1). A query tile is `[p0, p0 + 64)` of
+its sequence; key tiles are `[x0, x0 + bkv)`. Only the last key tile of a
+sequence runs past its end. On CUDA, Triton gives each sequence its own TMA
+descriptor whose bounds are the sequence end, so the copy engine fills the
+rows past it with zeros. In Pallas a TMA descriptor's bounds are the whole
+packed buffer's (fixed at launch), so the rows past a sequence end are the
+next sequence's rows. We reach the same effect this way: a tiny gather before
+the kernel copies each sequence's last partial key/value tile into a
+zero-padded `[b, bkv, k, h]` side buffer (`k_tail`, `v_tail`, < 1% of K/V),
+and the producer warpgroup loads that tile from there instead of from the
+packed buffer. Every tile the consumer sees is then either fully real or
+real-then-zeros, and no select/mask runs on any score for sequence
+boundaries. A zero key row gives score `c * q . 0 = 0` exactly, so the row
+sums pick up `z` surplus terms `2^(0 - m_t)`, each rescaled like every other
+term to `2^(0 - m)` with the final row max `m`. A zero value row adds nothing
+to `o`. So after the last tile
+
+    l_true = l - z * 2^(-m)
+
+is the exact denominator, where `z` (known from the lengths) is the number of
+zero-filled keys the row saw: `E - L_kv` for the `E = steps * bkv` keys
+visited (with causal masking, only those at positions `<= p`). The row max
+`m` may be the surplus 0 rather than the true max; the stabilized form stays
+exact in exact arithmetic, and in f32 the subtraction loses about
+`z * 2^-24 / sum_x 2^(s_x - m)` relatively, negligible unless every true score
+of a row is far (> ~10 nats) below zero -- QK-norm keeps scores bounded. The
+test `test_surplus_subtraction_*` checks this against the reference, with
+large positive scores (max far above the zero terms) and with moderate
+negative ones (the zeros are the max).
+
+Query rows past a sequence end are computed (they are the next sequence's
+rows, finite) and never written back: the output tile is stored with a
+ladder of TMA stores of 64, 32, ..., 1 rows chosen by the bits of the valid
+row count (the technique of JAX's ragged_dot). The saved `lse` of such rows is
+`+inf` (tile-padded layout `[n, i * 64]`), so in the backward their
+`P = 2^(s - lse)` is exactly 0 and they add nothing to dK/dV without a mask.
+In dQ, the zero-filled key rows give `P != 0` but `dS K = 0` and `dP = 0`.
+Only causal diagonal tiles build a (position) mask. Rows of the buffer tail
+past `offsets[-1]` and rows of sequences without keys get zeros (forward,
+dQ) and sequences without queries get zero dK/dV: the schedule lists those
+tiles as zero-work items. The packed inputs' tail rows must be finite.
+
+Hopper specifics: TMA loads into 128-byte-swizzled shared memory, wgmma with
+f32 accumulators, and warp specialization: one producer warpgroup (40
+registers) streams K/V (or Q/dO/lse/delta in the dK/dV kernel) through a
+2-stage ring guarded by mbarriers, while two consumer warpgroups compute.
+In the forward and dQ kernels the two consumers take two query heads of one
+KV-head group on the same rows (they share every K/V tile and stop together),
+ping-ponging softmax against the tensor core as in FlashAttention-3. In the
+dK/dV kernel each consumer owns 64 key rows and accumulates dK/dV over all
+`g` query heads of its KV head before one store: the GQA reduction happens
+inside the kernel (O7).
+
+Interpret mode (CPU CI) runs the same kernels; only "accumulate into an
+existing wgmma accumulator" (`pl.run_state`, which the GPU interpreter does
+not handle) is replaced by a fresh accumulator plus an add.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import schedule
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes; defaults tuned on H200 (see .notes/jagged_attention.md)."""
+
+  block_q: int = 64  # query rows per consumer warpgroup (all kernels)
+  block_kv: int = 128  # key rows per step, forward
+  block_kv_dq: int = 64  # key rows per step, dQ kernel
+  block_kv_dkv: int = 64  # key rows per consumer warpgroup, dK/dV kernel
+  max_concurrent_steps: int = 2  # ring depth of the producer
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name != "max_concurrent_steps" and v % 64:
+        raise ValueError(f"{f.name}={v} must be a multiple of 64")
+    if self.max_concurrent_steps < 1:
+      raise ValueError("max_concurrent_steps must be >= 1")
+
+  @staticmethod
+  def default(head_dim: int) -> "BlockSizes":
+    del head_dim
+    return BlockSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  causal: bool
+  scale: float
+  block_sizes: BlockSizes
+  interpret: object  # None (compile) or plgpu.InterpretGPUParams
+
+
+def _accumulate(acc, a, b, static: _Static, then=None):
+  """`acc + a @ b` with wgmma into the live accumulator; `then()` runs while
+  the wgmma is in flight. See module docstring for interpret mode."""
+  if static.interpret is None:
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+      if then is not None:
+        then()
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+  # The GPU interpreter takes register (non-ref) wgmma operands badly.
+  out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+  if then is not None:
+    then()
+  return out
+
+
+def _matmul(a, b, shape):
+  """`a @ b` into a fresh f32 accumulator (waits for the result)."""
+
+  def scoped(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+
+
+def _select(cond, x, y):
+  """`jnp.where` with scalars spelled out as full arrays (Mosaic's warpgroup
+  lowering does not broadcast implicitly)."""
+  shape = next(jnp.shape(a) for a in (cond, x, y) if jnp.ndim(a))
+
+  def full(a, dtype):
+    return a if jnp.ndim(a) else jnp.full(shape, a, dtype)
+
+  dtype = next(a.dtype for a in (x, y) if jnp.ndim(a))
+  return jnp.where(full(cond, jnp.bool_), full(x, dtype), full(y, dtype))
+
+
+def _aligned(row):
+  """Tell Mosaic a packed row index is a multiple of 8 (tiled TMA)."""
+  return pl.multiple_of(row, ALIGN)
+
+
+def _iota(shape, dim):
+  return plgpu.broadcasted_iota(
+    jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA
+  )
+
+
+def _row_iota(n):
+  """`[0..n)` laid out like the rows of a wgmma accumulator."""
+  return _iota((n, 64), 0).max(axis=1)
+
+
+def _ladder_store(src_smem, dst_rows, start, count, max_rows: int):
+  """Store rows `[start, start + count)` (dynamic) of `src_smem` with TMA.
+
+  TMA box sizes are static, so the rows go out as one store per set bit of
+  `count` (64, 32, ..., 1): `dst_rows(offset, size)` is the destination
+  window of `size` rows for source rows `[offset, offset + size)`.
+  """
+  size = 1 << (max_rows.bit_length() - 1)
+  while size >= 1:
+
+    @pl.when((count & size) != 0)
+    def _(start=start, size=size):
+      plgpu.copy_smem_to_gmem(
+        src_smem.at[pl.ds(start, size)], dst_rows(start, size)
+      )
+
+    start = start + (count & size)
+    size //= 2
+
+
+_TILING = plgpu.TilingTransform((8, 64))
+_SWIZZLE = plgpu.SwizzleTransform(128)
+
+
+def _smem_tile(shape, dtype):
+  return plgpu.SMEM(shape, dtype, transforms=(_TILING, _SWIZZLE))
+
+
+# --------------------------------------------------------------------------
+# Work lists (built with jnp inside jit; see pallas_kernels/schedule.py).
+
+ALIGN = 8  # tiles start on multiples of 8 rows (tiled TMA; module docstring)
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def _seq_tables(offsets, capacity, other_offsets):
+  """Extended offsets of the tiled side (+ tail pseudo-sequence) and of the
+  other side (the pseudo-sequence gets length 0)."""
+  off = schedule.extend_offsets(offsets, capacity)
+  other = jnp.asarray(other_offsets, jnp.int32)
+  other = jnp.concatenate([other, other[-1:]])
+  return off, other
+
+
+def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
+  """Items of the forward and dQ kernels: one per 64-row query tile.
+
+  Returns (`int32[i, 11]` table, schedule). Columns: 0 first packed row of
+  the (aligned) query tile, 1-2 its valid rows `[lo, hi)`, 3 position of tile
+  row 0 in its sequence (negative in the lead rows), 4 first packed row of
+  the sequence's aligned key grid, 5 key length, 6 key lead rows, 7 key
+  tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id.
+  """
+  q_off, kv_off = _seq_tables(q_offsets, t, kv_offsets)
+  q_len_b = q_off[1:] - q_off[:-1]
+  kv_len_b = kv_off[1:] - kv_off[:-1]
+  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
+  kv_total_b = jnp.where(kv_len_b > 0, _cdiv(kv_len_b + kv_lead_b, block_kv), 0)
+
+  def geometry(seq, tile):
+    q_pos = tile * block_q - q_lead_b[seq]
+    lo = jnp.clip(-q_pos, 0, block_q)
+    hi = jnp.clip(q_len_b[seq] - q_pos, 0, block_q)
+    total = kv_total_b[seq]
+    if causal:
+      last = q_pos + hi - 1  # position of the last valid row
+      steps = jnp.minimum(total, (last + kv_lead_b[seq]) // block_kv + 1)
+      steps = jnp.where(hi > lo, jnp.maximum(steps, 0), 0)
+    else:
+      steps = total
+    return q_pos, lo, hi, steps
+
+  sched = schedule.jagged_tile_schedule(
+    q_offsets,
+    t,
+    block_q,
+    align=ALIGN,
+    cost=lambda s, i: geometry(s, i)[3] + 1,
+  )
+  seq, tile = sched.seq_i, sched.tile_i
+  q_pos, lo, hi, steps = geometry(seq, tile)
+  valid = sched.valid_i
+  table = jnp.stack(
+    [
+      q_off[seq] - q_lead_b[seq] + tile * block_q,
+      jnp.where(valid, lo, 0),
+      jnp.where(valid, hi, 0),
+      q_pos,
+      kv_off[seq] - kv_lead_b[seq],
+      kv_len_b[seq],
+      kv_lead_b[seq],
+      jnp.where(valid, steps, 0),
+      kv_total_b[seq],
+      seq,
+      sched.tile_id_i,
+    ],
+    axis=1,
+  ).astype(jnp.int32)
+  return table, sched
+
+
+def key_items(
+  q_offsets, kv_offsets, s, q_tile_start_b, *, block_q, block_kv, causal
+):
+  """Items of the dK/dV kernel: one per `block_kv`-row key tile.
+
+  Columns: 0 first packed row of the (aligned) key tile, 1-2 its valid rows
+  `[lo, hi)`, 3 position of tile row 0, 4 first packed row of the sequence's
+  aligned query grid, 5 query lead rows, 6 first query tile visited, 7 query
+  tiles visited per head, 8 how many of those (from the first) need the
+  causal mask, 9 forward tile id of the sequence's query tile 0.
+  """
+  kv_off, q_off = _seq_tables(kv_offsets, s, q_offsets)
+  q_len_b = q_off[1:] - q_off[:-1]
+  kv_len_b = kv_off[1:] - kv_off[:-1]
+  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
+  n_q_b = jnp.where(q_len_b > 0, _cdiv(q_len_b + q_lead_b, block_q), 0)
+
+  def geometry(seq, tile):
+    kv_pos = tile * block_kv - kv_lead_b[seq]
+    lo = jnp.clip(-kv_pos, 0, block_kv)
+    hi = jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv)
+    n_q = n_q_b[seq]
+    lead = q_lead_b[seq]
+    if causal:
+      # First query tile holding a position >= this tile's first key; tiles
+      # starting before its last key need the mask.
+      first = jnp.clip((kv_pos + lo + lead) // block_q, 0, n_q)
+      masked_end = jnp.clip(_cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q)
+      n_masked = jnp.maximum(masked_end - first, 0)
+    else:
+      first = jnp.zeros_like(tile)
+      n_masked = jnp.zeros_like(tile)
+    return kv_pos, lo, hi, first, n_q - first, n_masked
+
+  sched = schedule.jagged_tile_schedule(
+    kv_offsets,
+    s,
+    block_kv,
+    align=ALIGN,
+    cost=lambda a, b: geometry(a, b)[4] + 1,
+  )
+  seq, tile = sched.seq_i, sched.tile_i
+  kv_pos, lo, hi, first, steps, n_masked = geometry(seq, tile)
+  valid = sched.valid_i
+  q_seq = jnp.minimum(seq, q_tile_start_b.shape[0] - 1)
+  table = jnp.stack(
+    [
+      kv_off[seq] - kv_lead_b[seq] + tile * block_kv,
+      jnp.where(valid, lo, 0),
+      jnp.where(valid, hi, 0),
+      kv_pos,
+      q_off[seq] - q_lead_b[seq],
+      q_lead_b[seq],
+      first,
+      jnp.where(valid, steps, 0),
+      n_masked,
+      q_tile_start_b[q_seq],
+    ],
+    axis=1,
+  ).astype(jnp.int32)
+  return table
+
+
+def side_tiles(x_skh, kv_offsets, block_kv):
+  """First and last key tile of each sequence, zero outside: `[b+1,2,m,k,h]`.
+
+  Tile `f` of sequence `j` starts at packed row
+  `kv_offsets[j] - lead_j + f * block_kv` (8-aligned grid); its rows outside
+  the sequence are zero. Entry `b` (buffer-tail pseudo-sequence) is zeros.
+  """
+  kv_off = jnp.asarray(kv_offsets, jnp.int32)
+  kv_off = jnp.concatenate([kv_off, kv_off[-1:]])
+  length = kv_off[1:] - kv_off[:-1]
+  lead = schedule.lead_rows(kv_off[:-1], ALIGN)
+  total = jnp.maximum(_cdiv(length + lead, block_kv), 1)
+  first_pos = jnp.stack([-lead, (total - 1) * block_kv - lead], axis=1)
+  pos = first_pos[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)
+  valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]
+  idx = jnp.where(valid, kv_off[:-1, None, None] + pos, 0)
+  return jnp.where(valid[..., None, None], x_skh[idx], 0).astype(x_skh.dtype)
+
+
+def tile_rows(q_offsets, t, block_q, num_items):
+  """Packed row of every slot of the tile-padded `[i * 64]` layout, and
+  whether it holds a real query row."""
+  q_off = schedule.extend_offsets(q_offsets, t)
+  seq, tile, valid, _ = schedule.enumerate_tiles(
+    q_off, block_q, ALIGN, num_items
+  )
+  length = q_off[1:] - q_off[:-1]
+  lead = schedule.lead_rows(q_off[:-1], ALIGN)
+  pos = (tile * block_q - lead[seq])[:, None] + jnp.arange(block_q)
+  ok = valid[:, None] & (pos >= 0) & (pos < length[seq][:, None])
+  rows = jnp.where(ok, q_off[seq][:, None] + pos, 0)
+  return rows.reshape(-1), ok.reshape(-1)
+
+
+# --------------------------------------------------------------------------
+# Forward.
+
+
+def _heads_per_cta(n, kh):
+  group = n // kh
+  return 2 if group % 2 == 0 else 1
+
+
+def _load_query_item(items_ref, it):
+  return [items_ref[it, f] for f in range(11)]
+
+
+def _kv_producer(
+  k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head
+):
+  """Producer warpgroup: stream the item's key/value tiles through the ring.
+
+  The first and last tile of a sequence come from the zero-filled side
+  buffers, the others straight from the packed buffers.
+  """
+  kv_row, kv_steps, kv_total, seq = item
+  k_smem, v_smem = smem
+  k_bar, v_bar = bars
+  k_free, v_free = free
+
+  def issue(ref, side, dst, bar, i, slot):
+    from_side = (i == 0) | (i == kv_total - 1)
+
+    @pl.when(from_side)
+    def _():
+      which = jnp.where(i == 0, 0, 1)
+      plgpu.copy_gmem_to_smem(
+        side.at[seq, which, :, kv_head], dst.at[slot], bar.at[slot]
+      )
+
+    @pl.when(jnp.logical_not(from_side))
+    def _():
+      plgpu.copy_gmem_to_smem(
+        ref.at[pl.ds(_aligned(kv_row + i * bkv), bkv), kv_head],
+        dst.at[slot],
+        bar.at[slot],
+      )
+
+  for i in range(mcs):
+
+    @pl.when(i < kv_steps)
+    def _(i=i):
+      issue(k_ref, side_k, k_smem, k_bar, i, i)
+      issue(v_ref, side_v, v_smem, v_bar, i, i)
+
+  @pl.loop(0, kv_steps - mcs)
+  def _(i):
+    j = i + mcs
+    slot = lax.rem(i, mcs)
+    plgpu.barrier_wait(k_free.at[slot])
+    issue(k_ref, side_k, k_smem, k_bar, j, slot)
+    plgpu.barrier_wait(v_free.at[slot])
+    issue(v_ref, side_v, v_smem, v_bar, j, slot)
+
+  # Observe the last releases too, so every barrier phase is consumed before
+  # the CTA exits (the interpreter checks this; on the GPU it costs nothing).
+  @pl.loop(jnp.maximum(kv_steps - mcs, 0), kv_steps)
+  def _(i):
+    slot = lax.rem(i, mcs)
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+
+
+def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
+  """Returns (o `[t, n, h]`, lse `f32[n, i * block_q]` tile-padded, log2)."""
+  t, n, h = q_tnh.shape
+  _, kh, _ = k_skh.shape
+  dtype = q_tnh.dtype
+  group = n // kh
+  hpc = _heads_per_cta(n, kh)
+  bs = static.block_sizes
+  bq, bkv, mcs = bs.block_q, bs.block_kv, bs.max_concurrent_steps
+  num_items = items.shape[0]
+  causal = static.causal
+  c = static.scale * LOG2E
+
+  def kernel(
+    items_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *scratch
+  ):
+    (q_smem2, o_smem2, lse_smem2, k_smem, v_smem) = scratch[:5]
+    (q_bar, k_bar, v_bar, k_free, v_free, sched_bar) = scratch[5:]
+    it = lax.axis_index("items")
+    hp = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    (q_row, lo, hi, q_pos, kv_row, kv_len, kv_lead, kv_steps, kv_total, seq,
+     tile_id) = _load_query_item(items_ref, it)  # fmt: skip
+    kv_head = lax.div(hp * hpc, group)
+
+    def sched():
+      if hpc == 2:
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
+    @pl.when(hi > lo)
+    def _work():
+      @pl.when(wg < hpc)
+      def _compute():
+        plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+        head = hp * hpc + wg
+        q_smem = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(
+          q_ref.at[pl.ds(_aligned(q_row), bq), head], q_smem, q_bar.at[wg]
+        )
+        plgpu.barrier_wait(q_bar.at[wg])
+        m_i = plgpu.layout_cast(
+          jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        l_i = plgpu.layout_cast(
+          jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        acc = plgpu.layout_cast(
+          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+
+        @pl.when(kv_steps > 0)
+        def _():
+          plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(sched)
+
+        def step(i, carry, masked: bool):
+          acc, m_i, l_i = carry
+          slot = lax.rem(i, mcs)
+
+          def qk_body(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            sched()
+            return acc_ref[...]
+
+          qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          if masked:
+            q_at = _iota((bq, bkv), 0) + q_pos
+            k_at = _iota((bq, bkv), 1) + (i * bkv - kv_lead)
+            qk = _select(q_at >= k_at, qk, -jnp.inf)
+          m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+          alpha = jnp.exp2(m_i - m_ij)
+          p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha
+          p16 = p.astype(dtype)
+          l_i = l_i + p.sum(axis=1)
+          acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+          if hpc == 2:
+            plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(v_bar.at[slot])
+          if hpc == 2:
+            plgpu.barrier_wait(sched_bar)
+
+          def wait_next_k():
+            @pl.when(i + 1 < kv_steps)
+            def _():
+              plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, mcs)])
+
+          acc = _accumulate(acc, p16, v_smem.at[slot], static, wait_next_k)
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_ij, l_i
+
+        carry = (acc, m_i, l_i)
+        if causal:
+          # Key tiles wholly at positions <= the first valid row need no
+          # mask; the rest (the diagonal) do.
+          n_full = jnp.clip(lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps)
+          carry = lax.fori_loop(
+            0, n_full, functools.partial(step, masked=False), carry
+          )
+          carry = lax.fori_loop(
+            n_full, kv_steps, functools.partial(step, masked=True), carry
+          )
+        else:
+          carry = lax.fori_loop(
+            0, kv_steps, functools.partial(step, masked=False), carry
+          )
+        acc, m_i, l_i = carry
+        pl.when(wg == 0)(sched)
+
+        # Zero-filled keys the rows saw (module docstring): positions
+        # [-lead, 0) and [kv_len, seen_end).
+        seen_end = kv_steps * bkv - kv_lead
+        rows = _row_iota(bq)
+        if causal:
+          after = jnp.clip(jnp.minimum(q_pos + rows + 1, seen_end) - kv_len, 0)
+          z = kv_lead + after
+        else:
+          z = seen_end + kv_lead - kv_len + rows * 0
+        z = z * (kv_steps > 0).astype(jnp.int32)
+        surplus = _select(z > 0, z.astype(jnp.float32) * jnp.exp2(-m_i), 0.0)
+        l_i = l_i - surplus
+        ok = l_i > 0
+        l_safe = _select(ok, l_i, 1.0)
+        inv = _select(ok, 1.0 / l_safe, 0.0)
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        in_seq = (rows >= lo) & (rows < hi)
+        lse = _select(ok & in_seq, m_i + jnp.log2(l_safe), jnp.inf)
+        o_smem = o_smem2.at[wg]
+        lse_smem = lse_smem2.at[wg]
+        o_smem[...] = out.astype(dtype)
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        _ladder_store(
+          o_smem,
+          lambda r, size: o_ref.at[pl.ds(q_row + r, size), head],
+          lo,
+          hi - lo,
+          bq,
+        )
+        plgpu.copy_smem_to_gmem(
+          lse_smem, lse_ref.at[head, pl.ds(tile_id * bq, bq)]
+        )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(wg == hpc)
+      def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        _kv_producer(
+          k_ref,
+          v_ref,
+          ks_ref,
+          vs_ref,
+          (k_smem, v_smem),
+          (k_bar, v_bar),
+          (k_free, v_free),
+          (kv_row, kv_steps, kv_total, seq),
+          bkv,
+          mcs,
+          kv_head,
+        )
+
+  scratch = [
+    _smem_tile((hpc, bq, h), dtype),
+    plgpu.SMEM((hpc, bq, h), dtype),
+    plgpu.SMEM((hpc, bq), jnp.float32),
+    _smem_tile((mcs, bkv, h), dtype),
+    _smem_tile((mcs, bkv, h), dtype),
+    plgpu.Barrier(num_barriers=hpc),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc),
+  ]
+  out_type = [
+    jax.ShapeDtypeStruct((t, n, h), dtype),
+    jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
+  ]
+  return plgpu.kernel(
+    kernel,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=(n // hpc, num_items),
+    grid_names=("heads", "items"),
+    num_threads=hpc + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(items, q_tnh, k_skh, v_skh, k_side, v_side)
+
+
+# --------------------------------------------------------------------------
+# Backward: dQ (per query tile, streaming keys).
+
+
+def backward_dq(
+  q_tnh, k_skh, v_skh, k_side, v_side, do_tnh, lse, delta, items, static
+):
+  """dQ `[t, n, h]`; same items and head pairing as the forward."""
+  t, n, h = q_tnh.shape
+  _, kh, _ = k_skh.shape
+  dtype = q_tnh.dtype
+  group = n // kh
+  hpc = _heads_per_cta(n, kh)
+  bs = static.block_sizes
+  bq, bkv, mcs = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
+  num_items = items.shape[0]
+  causal = static.causal
+  c = static.scale * LOG2E
+
+  def kernel(
+    items_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *scratch,
+  ):
+    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem) = scratch[:6]
+    out_smem2 = scratch[6]
+    (in_bar, k_bar, v_bar, k_free, v_free) = scratch[7:]
+    it = lax.axis_index("items")
+    hp = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    (q_row, lo, hi, q_pos, kv_row, _, kv_lead, kv_steps, kv_total, seq,
+     tile_id) = _load_query_item(items_ref, it)  # fmt: skip
+    kv_head = lax.div(hp * hpc, group)
+
+    @pl.when(hi > lo)
+    def _work():
+      @pl.when(wg < hpc)
+      def _compute():
+        plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+        head = hp * hpc + wg
+        q_smem = q_smem2.at[wg]
+        do_smem = do_smem2.at[wg]
+        lse_smem = lse_smem2.at[wg]
+        delta_smem = delta_smem2.at[wg]
+        bar = in_bar.at[wg]
+        rows = pl.ds(_aligned(q_row), bq)
+        pad = pl.ds(tile_id * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
+        plgpu.copy_gmem_to_smem(lse_ref.at[head, pad], lse_smem, bar)
+        plgpu.copy_gmem_to_smem(delta_ref.at[head, pad], delta_smem, bar)
+        plgpu.barrier_wait(bar)
+        lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        dq = plgpu.layout_cast(
+          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+
+        def step(i, dq, masked: bool):
+          slot = lax.rem(i, mcs)
+          plgpu.barrier_wait(k_bar.at[slot])
+          s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
+          p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+          if masked:
+            q_at = _iota((bq, bkv), 0) + q_pos
+            k_at = _iota((bq, bkv), 1) + (i * bkv - kv_lead)
+            p = _select(q_at >= k_at, p, 0.0)
+          plgpu.barrier_wait(v_bar.at[slot])
+          dp = _matmul(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
+          plgpu.barrier_arrive(v_free.at[slot])
+          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+          dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], static)
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq
+
+        if causal:
+          n_full = jnp.clip(lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps)
+          dq = lax.fori_loop(
+            0, n_full, functools.partial(step, masked=False), dq
+          )
+          dq = lax.fori_loop(
+            n_full, kv_steps, functools.partial(step, masked=True), dq
+          )
+        else:
+          dq = lax.fori_loop(
+            0, kv_steps, functools.partial(step, masked=False), dq
+          )
+        # dQ leaves through a plain (unswizzled) buffer that the ladder store
+        # can slice at any row.
+        out_smem = out_smem2.at[wg]
+        out_smem[...] = (dq * static.scale).astype(dtype)
+        plgpu.commit_smem()
+        _ladder_store(
+          out_smem,
+          lambda r, size: dq_ref.at[pl.ds(q_row + r, size), head],
+          lo,
+          hi - lo,
+          bq,
+        )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(wg == hpc)
+      def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        _kv_producer(
+          k_ref,
+          v_ref,
+          ks_ref,
+          vs_ref,
+          (k_smem, v_smem),
+          (k_bar, v_bar),
+          (k_free, v_free),
+          (kv_row, kv_steps, kv_total, seq),
+          bkv,
+          mcs,
+          kv_head,
+        )
+
+  scratch = [
+    _smem_tile((hpc, bq, h), dtype),
+    _smem_tile((hpc, bq, h), dtype),
+    plgpu.SMEM((hpc, bq), jnp.float32),
+    plgpu.SMEM((hpc, bq), jnp.float32),
+    _smem_tile((mcs, bkv, h), dtype),
+    _smem_tile((mcs, bkv, h), dtype),
+    plgpu.SMEM((hpc, bq, h), dtype),
+    plgpu.Barrier(num_arrivals=4, num_barriers=hpc),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+  ]
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((t, n, h), dtype),
+    scratch_types=scratch,
+    grid=(n // hpc, num_items),
+    grid_names=("heads", "items"),
+    num_threads=hpc + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(items, q_tnh, k_skh, v_skh, k_side, v_side, do_tnh, lse, delta)
+
+
+# --------------------------------------------------------------------------
+# Backward: dK, dV (per key tile, streaming query tiles of every head).
+
+
+def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
+  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group."""
+  t, n, h = q_tnh.shape
+  s, kh, _ = k_skh.shape
+  dtype = q_tnh.dtype
+  group = n // kh
+  bs = static.block_sizes
+  bq, bkv, mcs = bs.block_q, bs.block_kv_dkv, bs.max_concurrent_steps
+  wgs = 2  # consumer warpgroups, bkv key rows each
+  num_items = items.shape[0]
+  causal = static.causal
+  c = static.scale * LOG2E
+
+  def kernel(
+    items_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *scratch,
+  ):
+    (k_smem2, v_smem2, dk_smem2, dv_smem2) = scratch[:4]
+    (q_smem, do_smem, lse_smem, delta_smem) = scratch[4:8]
+    (kv_bar, q_bar, do_bar, lse_bar, delta_bar, free) = scratch[8:]
+    it = lax.axis_index("items")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    (kv_row, lo, hi, kv_pos, q_row0, q_lead, t_first, q_steps, n_masked,
+     tile_id0) = [items_ref[it, f] for f in range(10)]  # fmt: skip
+    total = q_steps * group
+
+    def coords(j):
+      """Step j -> (query head, query tile)."""
+      per = jnp.maximum(q_steps, 1)
+      return kv_head * group + lax.div(j, per), t_first + lax.rem(j, per)
+
+    @pl.when(hi > lo)
+    def _work():
+      @pl.when(wg < wgs)
+      def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        k_smem = k_smem2.at[wg]
+        v_smem = v_smem2.at[wg]
+        base = _aligned(kv_row + wg * bkv)
+        bar = kv_bar.at[wg]
+        plgpu.copy_gmem_to_smem(
+          k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+        )
+        plgpu.copy_gmem_to_smem(
+          v_ref.at[pl.ds(base, bkv), kv_head], v_smem, bar
+        )
+        plgpu.barrier_wait(bar)
+        zeros = plgpu.layout_cast(
+          jnp.full((bkv, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+        my_pos = kv_pos + wg * bkv  # position of this warpgroup's first key
+
+        def step(j, carry, masked: bool):
+          dk, dv = carry
+          slot = lax.rem(j, mcs)
+          _, tile = coords(j)
+          plgpu.barrier_wait(q_bar.at[slot])
+          st = _matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          plgpu.barrier_wait(lse_bar.at[slot])
+          lse_r = plgpu.load(
+            lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
+          )
+          pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse_r, st.shape, [1]))
+          if masked:
+            q_at = _iota((bkv, bq), 1) + (tile * bq - q_lead)
+            k_at = _iota((bkv, bq), 0) + my_pos
+            pt = _select(q_at >= k_at, pt, 0.0)
+          plgpu.barrier_wait(do_bar.at[slot])
+          dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], static)
+          dpt = _matmul(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          plgpu.barrier_wait(delta_bar.at[slot])
+          delta_r = plgpu.load(
+            delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
+          )
+          dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
+          dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
+          plgpu.barrier_arrive(free.at[slot])
+          return dk, dv
+
+        carry = (zeros, zeros)
+        if causal:
+
+          def head_loop(g, carry):
+            j0 = g * q_steps
+            carry = lax.fori_loop(
+              j0, j0 + n_masked, functools.partial(step, masked=True), carry
+            )
+            return lax.fori_loop(
+              j0 + n_masked,
+              j0 + q_steps,
+              functools.partial(step, masked=False),
+              carry,
+            )
+
+          carry = lax.fori_loop(0, group, head_loop, carry)
+        else:
+          carry = lax.fori_loop(
+            0, total, functools.partial(step, masked=False), carry
+          )
+        dk, dv = carry
+        dk_smem = dk_smem2.at[wg]
+        dv_smem = dv_smem2.at[wg]
+        dk_smem[...] = (dk * static.scale).astype(dtype)
+        dv_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
+        my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
+        count = jnp.maximum(my_hi - my_lo, 0)
+        for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
+          _ladder_store(
+            src,
+            lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
+            my_lo,
+            count,
+            bkv,
+          )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(wg == wgs)
+      def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(j, slot):
+          head, tile = coords(j)
+          rows = pl.ds(_aligned(q_row0 + tile * bq), bq)
+          pad = pl.ds((tile_id0 + tile) * bq, bq)
+          plgpu.copy_gmem_to_smem(
+            q_ref.at[rows, head], q_smem.at[slot], q_bar.at[slot]
+          )
+          plgpu.copy_gmem_to_smem(
+            lse_ref.at[head, pad], lse_smem.at[slot], lse_bar.at[slot]
+          )
+          plgpu.copy_gmem_to_smem(
+            do_ref.at[rows, head], do_smem.at[slot], do_bar.at[slot]
+          )
+          plgpu.copy_gmem_to_smem(
+            delta_ref.at[head, pad], delta_smem.at[slot], delta_bar.at[slot]
+          )
+
+        for j in range(mcs):
+
+          @pl.when(j < total)
+          def _(j=j):
+            issue(j, j)
+
+        @pl.loop(0, total - mcs)
+        def _(j):
+          slot = lax.rem(j, mcs)
+          plgpu.barrier_wait(free.at[slot])
+          issue(j + mcs, slot)
+
+        @pl.loop(jnp.maximum(total - mcs, 0), total)
+        def _(j):
+          plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
+
+  scratch = [
+    _smem_tile((wgs, bkv, h), dtype),
+    _smem_tile((wgs, bkv, h), dtype),
+    plgpu.SMEM((wgs, bkv, h), dtype),
+    plgpu.SMEM((wgs, bkv, h), dtype),
+    _smem_tile((mcs, bq, h), dtype),
+    _smem_tile((mcs, bq, h), dtype),
+    plgpu.SMEM((mcs, bq), jnp.float32),
+    plgpu.SMEM((mcs, bq), jnp.float32),
+    plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=wgs, num_barriers=mcs),
+  ]
+  kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
+  return plgpu.kernel(
+    kernel,
+    out_type=[kv_type, kv_type],
+    scratch_types=scratch,
+    grid=(kh, num_items),
+    grid_names=("heads", "items"),
+    num_threads=wgs + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(items, q_tnh, k_skh, v_skh, do_tnh, lse, delta)

@@ -1,0 +1,161 @@
+"""Jagged tile schedules: the work list of a ragged kernel, built on device.
+
+A kernel over a jagged batch (sequences packed into one buffer, `offsets[b+1]`
+cumulative lengths) works in tiles of `block` rows of one sequence. Launching a
+dense `[b, cdiv(max_len, block)]` grid wastes most of it on tiles that lie past
+a short sequence's end (G1, G2: "empty tiles skipped by a precomputed
+schedule"). Instead the work list holds only the non-empty (sequence, tile)
+pairs:
+
+    n_tiles[i] = cdiv(len[i], block)          # per sequence
+    tile_start = exclusive_cumsum(n_tiles)    # first tile id of each sequence
+    item j of the (unsorted) list -> sequence i with
+        tile_start[i] <= j < tile_start[i] + n_tiles[i]
+      and tile t = j - tile_start[i]
+
+The list is built with a handful of `jnp` ops inside `jit`, so it costs no
+host round trip. Shapes must be static, so the list has a static length
+`max_items` that bounds any batch of that buffer capacity `c` and `b`
+sequences: `sum(cdiv(len_i + lead_i, block)) <= (c + (b + 1) * (block +
+align - 2)) // block`. Items past `num_items` are padding that a kernel skips
+(they report zero rows).
+
+The buffer tail past `offsets[-1]` is appended as one more pseudo-sequence
+(index `b`), so a kernel that must write every output row (zeros there) finds
+that work in the same list.
+
+Order: items are sorted by decreasing `cost` (longest first). On a GPU, the
+hardware block scheduler hands the next CTA of the grid to whichever SM frees
+up first, so launching the grid in longest-first order is the greedy
+longest-processing-time schedule: the long tiles of one 2K sequence start
+first, on different SMs, and the many short tiles fill the gaps at the end,
+instead of one long tile starting last and running alone. A persistent kernel
+(one CTA per SM looping over items) gets the same effect by dealing the sorted
+list out zig-zag (`zigzag_assignment`, G2): SM `w` takes items `w`,
+`2W - 1 - w`, `2W + w`, ..., so every SM gets one long and one short item per
+round.
+
+Shapes (legend): `b` sequences, `i` items (`max_items`).
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TileSchedule(NamedTuple):
+  """Non-empty (sequence, tile) items, longest first; see module docstring."""
+
+  seq_i: jax.Array  # int32[i]: sequence; b is the buffer-tail pseudo-sequence
+  tile_i: jax.Array  # int32[i]: tile index inside the sequence
+  tile_id_i: jax.Array  # int32[i]: sequence-major tile id (before sorting)
+  valid_i: jax.Array  # bool[i]: False for padding items past num_items
+  num_items: jax.Array  # int32[]: number of real items
+  tile_start_b: jax.Array  # int32[b+2]: first tile id of each sequence, total
+
+
+def max_items(capacity: int, num_seqs: int, block: int, align: int = 1) -> int:
+  """Static bound on the items of any batch (tail pseudo-sequence included).
+
+  Each of the `num_seqs + 1` sequences wastes less than one tile, plus its
+  `< align` lead rows.
+  """
+  return (capacity + (num_seqs + 1) * (block + align - 2)) // block
+
+
+def extend_offsets(offsets, capacity: int):
+  """`offsets[b+1]` -> `[b+2]`: the buffer tail as one more sequence."""
+  offsets = jnp.asarray(offsets, jnp.int32)
+  return jnp.concatenate([offsets, jnp.full((1,), capacity, jnp.int32)])
+
+
+def lead_rows(offsets, align: int):
+  """Rows between a sequence's start and the aligned row before it."""
+  return jnp.asarray(offsets, jnp.int32) % align
+
+
+def enumerate_tiles(offsets_e, block: int, align: int, num_items: int):
+  """Unsorted items: (seq, tile, valid) for ids `0..num_items)`, and starts.
+
+  Tile `t` of sequence `j` covers packed rows
+  `offsets_e[j] - lead_j + t * block ... + block` with
+  `lead_j = offsets_e[j] % align`, so every tile starts on an `align`-row
+  boundary (TMA into tiled shared memory needs that; see
+  jagged_attention/mosaic_gpu.py).
+  """
+  num_seqs = offsets_e.shape[0] - 1
+  lengths_b = offsets_e[1:] - offsets_e[:-1]
+  lead_b = lead_rows(offsets_e[:-1], align)
+  n_tiles_b = jnp.where(
+    lengths_b > 0, (lengths_b + lead_b + block - 1) // block, 0
+  )
+  ends_b = jnp.cumsum(n_tiles_b)
+  tile_start_b = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_b])
+  j = jnp.arange(num_items, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends_b, j, side="right").astype(jnp.int32)
+  seq = jnp.minimum(seq, num_seqs - 1)
+  tile = j - tile_start_b[seq]
+  valid = j < ends_b[-1]
+  return seq, tile, valid, tile_start_b
+
+
+def jagged_tile_schedule(
+  offsets,
+  capacity: int,
+  block: int,
+  *,
+  align: int = 1,
+  cost: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+  num_items: int | None = None,
+) -> TileSchedule:
+  """Work list of `block`-row tiles over the sequences of `offsets`.
+
+  Args:
+    offsets: `int32[b+1]` cumulative lengths (the tail past `offsets[-1]` up
+      to `capacity` becomes pseudo-sequence `b`).
+    capacity: rows of the packed buffer.
+    block: rows per tile.
+    align: tiles start on multiples of `align` rows (see `enumerate_tiles`).
+    cost: `cost(seq_i, tile_i) -> int32[i]`, the work of each item (e.g. the
+      number of key tiles it visits); larger runs first. Default: one per
+      item, which keeps sequence order.
+    num_items: static list length; default `max_items(...)`.
+  """
+  offsets_e = extend_offsets(offsets, capacity)
+  if num_items is None:
+    num_items = max_items(capacity, offsets_e.shape[0] - 2, block, align)
+  seq, tile, valid, tile_start_b = enumerate_tiles(
+    offsets_e, block, align, num_items
+  )
+  j = jnp.arange(num_items, dtype=jnp.int32)
+  if cost is None:
+    work = jnp.ones_like(j)
+  else:
+    work = cost(seq, tile).astype(jnp.int32)
+  # Padding items go last; ties keep sequence order (stable sort).
+  key = jnp.where(valid, -work, jnp.iinfo(jnp.int32).max)
+  order = jnp.argsort(key, stable=True)
+  return TileSchedule(
+    seq_i=seq[order],
+    tile_i=tile[order],
+    tile_id_i=j[order],
+    valid_i=valid[order],
+    num_items=tile_start_b[-1],
+    tile_start_b=tile_start_b,
+  )
+
+
+def zigzag_assignment(num_items: int, num_workers: int) -> jax.Array:
+  """For a persistent kernel: the sorted item each (round, worker) takes.
+
+  Returns `int32[rounds, num_workers]` (entries >= num_items are padding):
+  round `r` deals items left to right on even rounds and right to left on odd
+  ones, so each worker's total is balanced when items are sorted by cost.
+  """
+  rounds = -(-num_items // num_workers)
+  r = jnp.arange(rounds, dtype=jnp.int32)[:, None]
+  w = jnp.arange(num_workers, dtype=jnp.int32)[None, :]
+  lane = jnp.where(r % 2 == 0, w, num_workers - 1 - w)
+  return r * num_workers + lane
