@@ -99,9 +99,8 @@ class JaggedBatch:
     labels = arrays["labels"]
     bad = np.argwhere((labels != 0) & (labels != 1))
     if bad.size:
-      raise ValueError(
-        f"labels must be 0 or 1; labels[{tuple(bad[0])}]={labels[tuple(bad[0])]}"
-      )
+      i = tuple(bad[0])
+      raise ValueError(f"labels must be 0 or 1; labels[{_idx(i)}]={labels[i]}")
     for name, a in arrays.items():
       feature = name.split(".", 1)[-1]
       if (
@@ -112,8 +111,13 @@ class JaggedBatch:
         if bad.size:
           i = tuple(bad[0])
           raise ValueError(
-            f"JaggedBatch.{name}[{i}]={a[i]} is outside its table of {rows} rows"
+            f"JaggedBatch.{name}[{_idx(i)}]={a[i]} is outside its table of "
+            f"{rows} rows"
           )
+
+
+def _idx(i) -> str:
+  return ", ".join(str(int(x)) for x in i)
 
 
 def _flat_fields(batch: JaggedBatch) -> dict:
@@ -145,7 +149,8 @@ def _check_offsets(o: np.ndarray, capacity: int, name: str) -> None:
     if bad.size:
       i = int(bad[0])
       raise ValueError(
-        f"{where} must be non-decreasing: [{i}]={row[i]} > [{i + 1}]={row[i + 1]}"
+        f"{where} must be non-decreasing: [{i}]={row[i]} > "
+        f"[{i + 1}]={row[i + 1]}"
       )
     if row[-1] > capacity:
       raise ValueError(
