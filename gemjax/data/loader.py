@@ -27,7 +27,9 @@ the set of requests does not; every process computes the same plan and
 keeps its own shards.
 """
 
+import concurrent.futures
 import copy
+import multiprocessing
 import queue
 import threading
 from collections.abc import Iterator
@@ -147,19 +149,50 @@ def make_source(cfg: DataConfig, num_shards: int, shards: range):
 class _Blocks:
   """Built blocks of the local shards, with their plans, cached while needed."""
 
-  def __init__(self, cfg: DataConfig, source):
+  def __init__(self, cfg: DataConfig, source, shards: range):
     self.cfg = cfg
     self.source = source
+    self.shards = shards
     self.pool = cfg.bbs_pool_batches * cfg.requests_per_shard
     self._cache: dict[tuple[int, int], tuple] = {}
+    self._futures: dict = {}
+    self._executor = None
+    if cfg.workers > 0 and isinstance(source, SyntheticSource):
+      # Spawned processes (JAX and fork do not mix); each builds whole
+      # blocks, which are pure functions of their key, so order and
+      # determinism are unchanged.
+      self._executor = concurrent.futures.ProcessPoolExecutor(
+        cfg.workers, mp_context=multiprocessing.get_context("spawn")
+      )
+
+  def _submit(self, block: int) -> None:
+    """Start building blocks block.. ahead, enough to keep workers busy."""
+    ahead = max(1, -(-self.cfg.workers // len(self.shards)))
+    for b in range(block, block + ahead + 1):
+      for s in self.shards:
+        if (s, b) not in self._cache and (s, b) not in self._futures:
+          self._futures[s, b] = self._executor.submit(
+            _build_block, self.source, s, b, self.pool
+          )
+
+  def close(self) -> None:
+    if self._executor is not None:
+      for f in self._futures.values():
+        f.cancel()
+      self._executor.shutdown(wait=True)
+      self._executor = None
+      self._futures = {}
 
   def get(self, shard: int, block: int, counters=None):
     """(pool, plan) of a block; adds its build counters to `counters`."""
     key = (shard, block)
     if key not in self._cache:
       cfg = self.cfg
-      built = {}
-      pool = self.source.block(shard, block, self.pool, built)
+      if self._executor is not None:
+        self._submit(block)
+        pool, built = self._futures.pop(key).result()
+      else:
+        pool, built = _build_block(self.source, shard, block, self.pool)
       if cfg.batching == "bbs":
         w = bbs.sample_weight(np.diff(pool.offsets), cfg.bbs_weight)
         plan = bbs.plan_bbs(w, cfg.requests_per_shard, cfg.bbs_minibatch)
@@ -176,6 +209,11 @@ class _Blocks:
     for key in list(self._cache):
       if key not in needed:
         del self._cache[key]
+
+
+def _build_block(source, shard: int, block: int, size: int):
+  built = {}
+  return source.block(shard, block, size, built), built
 
 
 class Loader:
@@ -197,7 +235,7 @@ class Loader:
     self.split = split
     self.shards = _local_shards(num_shards, process_index, process_count)
     self.source = make_source(cfg, num_shards, self.shards)
-    self._blocks = _Blocks(cfg, self.source)
+    self._blocks = _Blocks(cfg, self.source, self.shards)
     self._eval = None
     self._pos = self._initial_position()
     self._visible = copy.deepcopy(self._pos)
@@ -262,7 +300,9 @@ class Loader:
     return batch
 
   def close(self) -> None:
+    """Stop the prefetch thread and the worker processes."""
     self._stop_thread()
+    self._blocks.close()
 
   def _start_thread(self):
     self._queue = queue.Queue(maxsize=self.cfg.prefetch)

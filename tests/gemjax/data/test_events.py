@@ -98,6 +98,20 @@ def test_taobao_behaviours_and_chunking(tmp_path):
     tmp_path / "UserBehavior.csv", [",".join(str(x) for x in r) for r in rows]
   )
   small = events.read_taobao(p, CFG)
+  # Bounded memory: the file is parsed in chunks of at most 256 bytes.
+  chunks = list(
+    events.read_table(
+      p,
+      sep=",",
+      ncols=5,
+      chunk_bytes=256,
+      codes={b"pv": 0, b"fav": 0, b"cart": 0, b"buy": 0},
+      code_col=3,
+    )
+  )
+  assert len(chunks) > 40
+  assert sum(c[0].size for c in chunks) == 400
+  assert max(c[0].size for c in chunks) <= 256 // 20
   big = events.read_taobao(
     p, dataclasses.replace(CFG, read_chunk_bytes=1 << 20)
   )

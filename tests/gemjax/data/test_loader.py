@@ -171,3 +171,13 @@ def test_hidden_model_ceiling_is_learnable_but_not_trivial(smoke):
   )
   assert 0.78 < auc["ctr"] < 0.92
   assert 0.78 < auc["cvr"] < 0.95
+
+
+def test_worker_processes_yield_the_same_batches(smoke):
+  want = _take(Loader(smoke, num_shards=2), 9)
+  cfg = dataclasses.replace(smoke, workers=2, prefetch=1)
+  loader = Loader(cfg, num_shards=2)
+  try:
+    assert _equal(want, _take(loader, 9))
+  finally:
+    loader.close()
