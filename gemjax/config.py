@@ -35,6 +35,7 @@ class ModelConfig:
   cross_layers: int = 1  # stage-2 candidate -> sequence blocks
   emb_dim: int = 32  # one slice per table (O9), a multiple of 32
   head_hidden: tuple[int, ...] = (128, 64)
+  dhen_layers: int = 0  # G6: DHEN expert layers before the heads (0 = off)
   dropout: float = 0.0  # heads' bottom MLP
   tasks: tuple[str, ...] = ("ctr", "cvr")
   dtype: str = "float32"  # compute dtype; parameters stay float32

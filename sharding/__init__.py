@@ -1,11 +1,18 @@
 """Placement: meshes from network tiers and logical-axis rule tables.
 
 Only this package knows mesh axes; models name logical axes only.
+- `mesh`: tiers -> a `Mesh` with axes ("cluster", "zone", "node");
+- `rules`: one logical-axis rule table per strategy (G5, G7 generations);
+- `embedding`: sharded lookups with bucketed all-to-all (G7);
+- `experts`: one expert per GPU of a node group, FSDP over zone (G6);
+- `placement`: `Placement(mesh, strategy)`, what the train step uses.
 """
 
 from sharding.mesh import AXES, make_mesh
+from sharding.placement import Placement
 from sharding.rules import (
   STRATEGIES,
+  batch_axes,
   batch_sharding,
   logical_to_spec,
   tree_shardings,
@@ -14,6 +21,8 @@ from sharding.rules import (
 __all__ = [
   "AXES",
   "STRATEGIES",
+  "Placement",
+  "batch_axes",
   "batch_sharding",
   "logical_to_spec",
   "make_mesh",

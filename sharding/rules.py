@@ -5,10 +5,30 @@ axes (which tiers split it). A dimension whose size the mesh axes do not
 divide is left replicated rather than padded, and a mesh axis is used at most
 once per array. Choosing a strategy is a config change (`mesh.strategy`).
 
-`fsdp` (G5): dense parameters are sharded over (`zone`, `node`) and replicated
-over `cluster`, so parameter all-gathers and gradient reduce-scatters stay
-inside a group and only the gradient all-reduce crosses `cluster` (DDP across
-groups). Embedding rows are split over every device (G7, generation 1).
+Dense parameters (G5). `fsdp*`: sharded over (`zone`, `node`), replicated
+over `cluster`. Inside one group (one `cluster` index) parameter all-gathers
+and gradient reduce-scatters run over RDMA and NVLink only; the thin cluster
+links carry one all-reduce of the *sharded* gradient (DDP across groups).
+`flat_fsdp` is the naive layout kept as a baseline: FSDP over every device,
+so every all-gather and reduce-scatter crosses the cluster tier.
+
+Embedding tables (G7), three generations; two rules decide them:
+`table_rows` (which tiers split the rows at rest) and `table_exchange` (the
+all-to-all group of a lookup; `sharding.embedding` does the lookup). The
+tiers in `table_rows` but not in `table_exchange` are re-assembled by an
+all-gather before the lookup and reduce-scattered after it.
+  gen 1 `fsdp`:               rows over all devices, exchange over all;
+  gen 2 `fsdp_grouped`:       each group a full copy, rows over (zone, node),
+                              exchange inside the group, gradients all-reduced
+                              over `cluster`;
+  gen 3 `fsdp_grouped_split`: as gen 2 at rest, but the exchange runs over
+                              `zone` only: a host's rows are gathered over
+                              NVLink (`node`) before the lookup.
+
+Experts (G6): `experts` names the tier whose devices each hold one expert
+(consecutive devices of `node`, e.g. the two GPUs of a pair); `expert_params`
+shards each expert (FSDP) over `zone`. See `sharding.experts`.
+
 The batch's leading (data-shard) axis is split over every device.
 """
 
@@ -16,21 +36,50 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 ALL = ("cluster", "zone", "node")
+GROUP = ("zone", "node")  # one FSDP / embedding group: a cluster index
+
+_DENSE_GROUP = {"embed": GROUP, "mlp_in": GROUP}
+_EXPERTS = {"experts": ("node",), "expert_params": ("zone",)}
+_BATCH = {"batch": ALL}
 
 STRATEGIES: dict[str, dict[str, tuple[str, ...]]] = {
   "fsdp": {
-    # dense parameters
-    "embed": ("zone", "node"),
-    "mlp_in": ("zone", "node"),
-    # embedding tables
+    **_DENSE_GROUP,
+    **_EXPERTS,
     "table_rows": ALL,
-    # activations
-    "batch": ALL,
+    "table_exchange": ALL,
+    **_BATCH,
   },
-  "replicated": {
-    "batch": ALL,
+  "fsdp_grouped": {
+    **_DENSE_GROUP,
+    **_EXPERTS,
+    "table_rows": GROUP,
+    "table_exchange": GROUP,
+    **_BATCH,
   },
+  "fsdp_grouped_split": {
+    **_DENSE_GROUP,
+    **_EXPERTS,
+    "table_rows": GROUP,
+    "table_exchange": ("zone",),
+    **_BATCH,
+  },
+  # Baselines for the communication model.
+  "flat_fsdp": {
+    "embed": ALL,
+    "mlp_in": ALL,
+    **_EXPERTS,
+    "table_rows": ALL,
+    "table_exchange": ALL,
+    **_BATCH,
+  },
+  "replicated": dict(_BATCH),
 }
+
+
+def rule(strategy: str, name: str) -> tuple[str, ...]:
+  """Mesh axes of logical axis `name` under `strategy` (() = replicated)."""
+  return _rules(strategy).get(name, ())
 
 
 def logical_to_spec(logical_axes, shape, mesh, strategy: str) -> PartitionSpec:
@@ -39,7 +88,9 @@ def logical_to_spec(logical_axes, shape, mesh, strategy: str) -> PartitionSpec:
   spec = []
   for name, size in zip(logical_axes, shape, strict=True):
     axes = tuple(
-      a for a in rules.get(name, ()) if a not in used and mesh.shape[a] > 1
+      a
+      for a in rules.get(name, ())
+      if a in mesh.shape and a not in used and mesh.shape[a] > 1
     )
     n = 1
     for a in axes:
@@ -53,21 +104,40 @@ def logical_to_spec(logical_axes, shape, mesh, strategy: str) -> PartitionSpec:
 
 
 def tree_shardings(axes_tree, shapes_tree, mesh, strategy: str):
-  """NamedShardings for a pytree, from parallel trees of axes and shapes."""
-  return jax.tree.map(
-    lambda axes, x: NamedSharding(
-      mesh, logical_to_spec(axes, x.shape, mesh, strategy)
-    ),
-    axes_tree,
-    shapes_tree,
-    is_leaf=lambda x: isinstance(x, tuple),
-  )
+  """NamedShardings for a pytree, from parallel trees of axes and shapes.
+
+  Arrays with an `experts` axis live on the expert mesh (`node` split into
+  groups x experts, same devices in the same order); see `sharding.experts`.
+  """
+
+  def one(axes, x):
+    if "experts" in axes:
+      from sharding import experts
+
+      em = experts.expert_mesh(mesh, strategy, x.shape[axes.index("experts")])
+      if em is not None:
+        return NamedSharding(
+          em, experts.param_spec(axes, x.shape, em, strategy)
+        )
+    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, strategy))
+
+  return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=_is_axes)
+
+
+def _is_axes(x) -> bool:
+  """A leaf of an axes tree: a plain tuple of names (not optax's tuples of
+  states, nor its namedtuples)."""
+  return type(x) is tuple and all(a is None or isinstance(a, str) for a in x)
+
+
+def batch_axes(mesh, strategy: str = "fsdp") -> tuple[str, ...]:
+  """Mesh axes (of size > 1) that split the batch's leading shard axis."""
+  return tuple(a for a in _rules(strategy)["batch"] if mesh.shape[a] > 1)
 
 
 def batch_sharding(mesh, strategy: str = "fsdp") -> NamedSharding:
   """Leading (data-shard) axis of batch arrays, split by the batch rule."""
-  axes = tuple(a for a in _rules(strategy)["batch"] if mesh.shape[a] > 1)
-  return NamedSharding(mesh, PartitionSpec(axes or None))
+  return NamedSharding(mesh, PartitionSpec(batch_axes(mesh, strategy) or None))
 
 
 def _rules(strategy):

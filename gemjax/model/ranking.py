@@ -23,6 +23,7 @@ from flax import nnx
 
 from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
 from gemjax.model.embeddings import Embeddings
+from gemjax.model.experts import DHEN
 from gemjax.model.layers import Dense, RMSNorm
 from gemjax.model.seqformer import Block, SeqFormer
 
@@ -124,9 +125,26 @@ class RankingModel(nnx.Module):
       dtype=dtype,
     )
     self.num_dense = num_dense
+    # G6: optional DHEN expert stack between candidate features and heads.
+    self.dhen = (
+      DHEN(2 * cfg.d_model + e, cfg.dhen_layers, rngs=rngs, dtype=dtype)
+      if cfg.dhen_layers
+      else None
+    )
 
   def __call__(self, batch, *, max_len: int, max_cands: int, key=None):
     """One (unstacked) `JaggedBatch` -> logits `[c, tasks]` (f32)."""
+    feats = self.features(batch, max_len=max_len, max_cands=max_cands)
+    if self.dhen is not None:
+      feats = self.dhen(feats)
+    return self.head(feats, key=key)
+
+  def head(self, feats, *, key=None):
+    """Candidate features `[c, 2*d_model + emb_dim]` -> logits `[c, tasks]`."""
+    return self.heads(feats, dropout=self.cfg.dropout, key=key)
+
+  def features(self, batch, *, max_len: int, max_cands: int):
+    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`."""
     dtype = jnp.dtype(self.cfg.dtype)
     t, c = batch.token_capacity, batch.cand_capacity
     tok_valid = jnp.arange(t) < batch.offsets[-1]
@@ -161,5 +179,4 @@ class RankingModel(nnx.Module):
       )
     c_cd = self.cand_norm(c_cd)
     item_emb = self.embeddings.lookup("item_id", batch.cand["item_id"])
-    feats = jnp.concatenate([c_cd, user_bd[req_c], item_emb.astype(dtype)], -1)
-    return self.heads(feats, dropout=self.cfg.dropout, key=key)
+    return jnp.concatenate([c_cd, user_bd[req_c], item_emb.astype(dtype)], -1)

@@ -75,7 +75,10 @@ class Trainer:
   def _static(self):
     d = self.cfg.data
     return dict(
-      model_def=self.model_def, max_len=d.max_seq_len, max_cands=d.max_cands
+      model_def=self.model_def,
+      max_len=d.max_seq_len,
+      max_cands=d.max_cands,
+      placement=sharding.Placement(self.mesh, self.cfg.mesh.strategy),
     )
 
   @functools.cached_property

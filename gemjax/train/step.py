@@ -8,11 +8,18 @@ by the global count, so the result does not depend on how the batch is split
 across devices.
 
 The training state is a plain dict: `params`, `opt_state`, `step`, `rng`.
+
+Placement (`sharding.Placement`, optional): embedding rows are looked up for
+all shards at once before the `vmap` (sharded tables, G7), and the DHEN
+experts run on the stacked candidate features with one expert per GPU of a
+node pair (G6). Without it every shard reads replicated tables itself.
 """
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from gemjax.model.embeddings import gather_rows
 
 
 def candidate_mask(batch):
@@ -21,11 +28,24 @@ def candidate_mask(batch):
   return jnp.arange(c) < batch.cand_offsets[..., -1:]
 
 
-def forward(model_def, params, batch, *, max_len, max_cands, key=None):
+def forward(
+  model_def, params, batch, *, max_len, max_cands, key=None, placement=None
+):
   """Stacked batch -> logits `[S, c, tasks]`."""
   model = model_def.bind(params)
   s = batch.offsets.shape[0]
   keys = jax.random.split(key, s) if key is not None else None
+  if placement is not None:
+    tables = params["embeddings"]["tables"]
+    batch = gather_rows(tables, batch, placement.lookup)
+    feats = jax.vmap(
+      lambda b: model.features(b, max_len=max_len, max_cands=max_cands)
+    )(batch)
+    if model.dhen is not None:
+      feats = model.dhen(feats, placement.run_experts)
+    if keys is None:
+      return jax.vmap(model.head)(feats)
+    return jax.vmap(lambda f, k: model.head(f, key=k))(feats, keys)
 
   def one(b, k):
     return model(b, max_len=max_len, max_cands=max_cands, key=k)
@@ -35,9 +55,17 @@ def forward(model_def, params, batch, *, max_len, max_cands, key=None):
   return jax.vmap(one)(batch, keys)
 
 
-def loss_fn(params, batch, key, *, model_def, max_len, max_cands):
+def loss_fn(
+  params, batch, key, *, model_def, max_len, max_cands, placement=None
+):
   logits = forward(
-    model_def, params, batch, max_len=max_len, max_cands=max_cands, key=key
+    model_def,
+    params,
+    batch,
+    max_len=max_len,
+    max_cands=max_cands,
+    key=key,
+    placement=placement,
   )
   mask = candidate_mask(batch)[..., None]  # [S, c, 1]
   per = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
@@ -46,7 +74,9 @@ def loss_fn(params, batch, key, *, model_def, max_len, max_cands):
   return jnp.sum(task_loss), task_loss
 
 
-def train_step(state, batch, *, model_def, tx, max_len, max_cands):
+def train_step(
+  state, batch, *, model_def, tx, max_len, max_cands, placement=None
+):
   key = jax.random.fold_in(state["rng"], state["step"])
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (loss, task_loss), grads = grad_fn(
@@ -56,6 +86,7 @@ def train_step(state, batch, *, model_def, tx, max_len, max_cands):
     model_def=model_def,
     max_len=max_len,
     max_cands=max_cands,
+    placement=placement,
   )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -65,13 +96,20 @@ def train_step(state, batch, *, model_def, tx, max_len, max_cands):
   metrics = {
     "loss": loss,
     "task_loss": task_loss,
-    "grad_norm": optax.global_norm(grads),
+    "grad_norm": optax.tree.norm(grads),
   }
   return new_state, metrics
 
 
-def eval_step(params, batch, *, model_def, max_len, max_cands):
+def eval_step(params, batch, *, model_def, max_len, max_cands, placement=None):
   """Probabilities `[S, c, tasks]` (f32)."""
   return jax.nn.sigmoid(
-    forward(model_def, params, batch, max_len=max_len, max_cands=max_cands)
+    forward(
+      model_def,
+      params,
+      batch,
+      max_len=max_len,
+      max_cands=max_cands,
+      placement=placement,
+    )
   )
