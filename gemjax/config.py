@@ -79,6 +79,10 @@ class MeshConfig:
   zone: int = 1
   node: int = -1
   strategy: str = "fsdp"  # a rule table in sharding.rules
+  # Data-parallel shards per step (jagged batches of `data.requests_per_shard`
+  # each), a multiple of the device count; 0 = one per device. Fixing it makes
+  # the global batch, and so the math, independent of the device count.
+  data_shards: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@
 4. Evaluate on the held-out set and print per-task AUC, UAUC, NE, calibration.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -47,8 +48,17 @@ class Trainer:
   batch_sharding: object
 
   @classmethod
-  def create(cls, cfg, run_dir=None):
-    mesh = sharding.make_mesh(cfg.mesh.cluster, cfg.mesh.zone, cfg.mesh.node)
+  def create(cls, cfg, run_dir=None, devices=None):
+    """`devices`: default all (tests pass a subset, e.g. one device)."""
+    mesh = sharding.make_mesh(
+      cfg.mesh.cluster, cfg.mesh.zone, cfg.mesh.node, devices
+    )
+    num_shards = cfg.mesh.data_shards or mesh.size
+    if num_shards % mesh.size:
+      raise ValueError(
+        f"mesh.data_shards={num_shards} is not a multiple of the "
+        f"{mesh.size} devices"
+      )
     run_dir = pathlib.Path(run_dir or cfg.train.run_dir.format(config=cfg.name))
     model_def, params = build(cfg, cfg.train.seed)
     tx = make_optimizer(cfg.train)
@@ -59,7 +69,7 @@ class Trainer:
       cfg,
       run_dir,
       mesh,
-      mesh.size,
+      num_shards,
       model_def,
       tx,
       shardings,
@@ -203,42 +213,45 @@ class Progress:
       print(file=sys.stderr, flush=True)
 
 
-def train(cfg, run_dir=None, *, stop_at: int | None = None) -> dict:
+def train(
+  cfg, run_dir=None, *, stop_at: int | None = None, devices=None
+) -> dict:
   """Train `cfg` (resuming from `run_dir` if it holds a checkpoint).
 
   `stop_at` ends the run early after that step (with a checkpoint), as if
-  the job had been killed there; the resume test uses it. Returns the final
-  evaluation metrics ({} when stopped early).
+  the job had been killed there; the resume test uses it. `devices`: default
+  all (tests pass a subset). Returns the final evaluation metrics ({} when
+  stopped early).
   """
-  tr = Trainer.create(cfg, run_dir)
+  tr = Trainer.create(cfg, run_dir, devices)
   tr.run_dir.mkdir(parents=True, exist_ok=True)
   main = jax.process_index() == 0
-  ckpt = Checkpointer(tr.run_dir / "checkpoints", cfg.train.keep_checkpoints)
-  state = tr.init_state()
-  loader = tr.loader()
-  start = ckpt.latest_step()
-  if start is not None:
-    state, data_state = ckpt.restore(start, state)
-    loader.restore(data_state)
-    if main:
-      print(f"resumed {tr.run_dir} at step {start}", file=sys.stderr)
-  step = int(start or 0)
-  total = cfg.train.steps
-  last = min(total, stop_at) if stop_at is not None else total
-  log = (tr.run_dir / "metrics.jsonl").open("a") if main else None
-  progress = Progress(total, step, cfg.train.progress and main)
-  if main:
-    _log(
-      log,
-      {
-        "event": "start",
-        "config": dataclasses.asdict(cfg),
-        "step": step,
-        "devices": tr.mesh.size,
-        "processes": jax.process_count(),
-      },
+  with (
+    RunLog(tr.run_dir / "metrics.jsonl", enabled=main) as log,
+    contextlib.closing(
+      Checkpointer(tr.run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    ) as ckpt,
+    contextlib.closing(tr.loader()) as loader,
+    jax.set_mesh(tr.mesh),
+  ):
+    state = tr.init_state()
+    start = ckpt.latest_step()
+    if start is not None:
+      state, data_state = ckpt.restore(start, state)
+      loader.restore(data_state)
+      if main:
+        print(f"resumed {tr.run_dir} at step {start}", file=sys.stderr)
+    step = int(start or 0)
+    total = cfg.train.steps
+    last = min(total, stop_at) if stop_at is not None else total
+    progress = Progress(total, step, cfg.train.progress and main)
+    log.write(
+      event="start",
+      config=dataclasses.asdict(cfg),
+      step=step,
+      devices=tr.mesh.size,
+      processes=jax.process_count(),
     )
-  with tr.mesh:
     while step < last:
       batch = next(loader)
       progress.add(
@@ -251,38 +264,43 @@ def train(cfg, run_dir=None, *, stop_at: int | None = None) -> dict:
         loss = float(m["loss"])
         if not np.isfinite(loss):
           raise FloatingPointError(f"loss is {loss} at step {step}")
-        rates = progress.show(step, loss)
-        if main:
-          _log(
-            log,
-            {
-              "event": "train",
-              "step": step,
-              "loss": loss,
-              "task_loss": np.asarray(m["task_loss"]).tolist(),
-              "grad_norm": float(m["grad_norm"]),
-              **rates,
-              "data": loader.counters,
-            },
-          )
+        log.write(
+          event="train",
+          step=step,
+          loss=loss,
+          task_loss=np.asarray(m["task_loss"]).tolist(),
+          grad_norm=float(m["grad_norm"]),
+          **progress.show(step, loss),
+          data=loader.counters,
+        )
       if step % cfg.train.checkpoint_every == 0 or step == last:
         ckpt.save(step, state, loader.state())
     progress.close()
     ckpt.wait()
     if step < total:
-      ckpt.close()
       return {}
     result = tr.evaluate(state["params"], cfg.train.eval_batches)
-  ckpt.close()
-  if main:
-    _log(log, {"event": "eval", "step": step, "metrics": result})
-    log.close()
+    log.write(event="eval", step=step, metrics=result)
   return result
 
 
-def _log(f, record: dict) -> None:
-  f.write(json.dumps(record, default=_json_default) + "\n")
-  f.flush()
+class RunLog:
+  """`metrics.jsonl`: one JSON record per line, written by process 0 only."""
+
+  def __init__(self, path, enabled: bool = True):
+    self.f = open(path, "a") if enabled else None  # noqa: SIM115
+
+  def write(self, **record) -> None:
+    if self.f is not None:
+      self.f.write(json.dumps(record, default=_json_default) + "\n")
+      self.f.flush()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self.f is not None:
+      self.f.close()
 
 
 def _json_default(x):
