@@ -20,6 +20,12 @@ exactly the batches the uninterrupted one would have. With `prefetch > 0` a
 background thread produces batches ahead; `state()` always describes the
 position after the last batch *returned*, not produced.
 
+Sources: `SyntheticSource` (generated logs, one per block) or `LogSource`
+(a MovieLens / Taobao / event-CSV file, `cfg.source`, read once per process
+keeping only its shards' users). With `cfg.workers > 0`, synthetic blocks
+are built ahead in spawned processes; blocks are pure functions of their
+key, so the batches are the same.
+
 Eval (`eval_batches`) packs the fixed held-out requests (synthetic split 1,
 `cfg.eval_requests` of them, disjoint streams from training) greedily in
 order: step by step, shard by shard. Its batches depend on `num_shards` but
