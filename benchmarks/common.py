@@ -50,10 +50,14 @@ def record(
   baseline_value: float | None = None,
   goal: float | None = None,
   lower_is_better: bool = False,
+  ratio: float | None = None,
 ) -> dict:
-  ratio = None
-  if baseline_value:
-    ratio = value / baseline_value
+  """One result. `ratio` is what `goal` bounds: by default value over
+  baseline_value, or the value itself when there is no baseline value; pass
+  `ratio=value` for figures judged on their own (a straggler ratio, a waste
+  fraction) even when a baseline is shown beside them."""
+  if ratio is None:
+    ratio = value / baseline_value if baseline_value else value
   return {
     "benchmark": benchmark,
     "case": case,

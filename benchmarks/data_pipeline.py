@@ -133,6 +133,7 @@ def figures_1_2(cfg, pools: int, records: list):
         res["bbs"][kind],
         baseline="random batching",
         baseline_value=res["random"][kind],
+        ratio=res["bbs"][kind],
         goal=1.03 if kind == "cost" else None,
         lower_is_better=True,
       )
@@ -146,6 +147,7 @@ def figures_1_2(cfg, pools: int, records: list):
       res["bbs"]["waste"],
       baseline="random batching",
       baseline_value=res["random"]["waste"],
+      ratio=res["bbs"]["waste"],
       goal=0.03,
       lower_is_better=True,
     )
