@@ -1,0 +1,451 @@
+"""Fused RMSNorm, forward and backward, as Pallas Mosaic GPU kernels (O11).
+
+Math, per row of `d` features (statistics in f32, outputs in the input dtype):
+
+  h = x + residual                 (the new residual stream; h = x without it)
+  r = 1 / sqrt(mean(h²) + eps)     (one scalar per row)
+  y = h · r · gamma                (gamma optional)
+
+Backward, with cotangents dy and (with a residual) dh_out for the returned h:
+
+  g  = dy · gamma                  (g = dy without gamma)
+  dh = r·g − h · r³ · mean(g·h) + dh_out
+  dx = d residual = dh             (one array, returned twice)
+  dgamma = Σ_rows dy · h · r
+
+Shapes: `t` rows (tokens × heads for QK-norm: any leading axes are flattened),
+`d` features, `m` rows of one tile; `g` persistent blocks (one per SM).
+
+How the kernels work (the O11 recipe: vectorised loads, compile-time
+variants, one pass from registers, two-stage dgamma):
+
+- Rows are contiguous, so a tile of `m` whole rows is one contiguous run of
+  `m·d` elements: it moves between global and shared memory with one bulk
+  async copy (TMA `cp.async.bulk`), no tensor map and no 256-element box
+  limit. Each of `g` persistent blocks walks tiles `b, b+g, b+2g, ...` with a
+  ring of `stages` input buffers (copies for the next tiles are in flight
+  while one tile is computed) and two output buffers per output (the store
+  of tile k drains while tile k+1 is computed).
+- Registers hold a tile in a row layout: each warp owns whole rows, each
+  lane 16 contiguous bytes of a row (8 bf16 / 4 f32), so shared-memory
+  loads and stores are 16 bytes wide and conflict-free, and the row sums are
+  warp shuffles, never shared memory. With `vec` elements in 16 bytes,
+  `d / vec` must be a multiple of 32 or a power of two below 32 (`supported`
+  says which shapes qualify; the others take the XLA path).
+- Forward: load x (and residual) once, form h, Σh² per row, scale, store y
+  (and h). One pass, nothing re-read.
+- Backward: load h, dy (and dh_out) once; both row sums Σh² and Σg·h come
+  from the same registers, so r is recomputed instead of saved. dgamma is
+  accumulated per block in registers over all its tiles (`[m, d]` f32),
+  written once as a partial `[g·m, d]`, and summed by one small XLA
+  reduction: a two-stage reduction, no atomics.
+- Variants (residual or not, gamma or not) are Python-level switches at
+  trace time: each combination is its own kernel, with no branch inside.
+- Ragged tail (`t` not a multiple of `m`): the bulk copies are clamped to
+  the array (loads read only valid rows, stores write only valid rows), so
+  no masking work is done on interior tiles. The rows of the last tile past
+  `t` hold stale shared memory; rows are independent, so they only reach
+  dgamma, where a row mask (compiled in only when `t % m != 0`) drops them.
+  This is the seed's TMA zero-fill idea (G1) reached with clamped copies.
+
+Extension point: the fused FP8 output (G4) needs one more output buffer and
+a per-block scale computed from the same `y` registers in `_fwd_kernel`;
+outputs are kept in lists so one can be added without touching the pipeline.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+H200_NUM_SMS = 132
+# Shared memory we let one block use (the H200 allows 227 KiB per block).
+_SMEM_BUDGET = 200 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of one kernel. Defaults tuned on H200 (see .notes/rms_norm.md).
+
+  block_rows: rows `m` of one tile; `None` = about `tile_bytes` of input.
+  warps_per_row: warps sharing one row (1 or 2); `None` = 1, or 2 when a
+    thread would otherwise hold more than `max_elems` values of a tile.
+  stages: input buffers in the ring; `None` = as many as fit (at most
+    `max_stages`).
+  num_blocks: persistent blocks `g`; one per SM fills the chip.
+  tile_bytes: `None` = 16 KiB forward, 8 KiB backward (the backward holds
+    more per element in registers: h, dy and the dgamma accumulator).
+  """
+
+  block_rows: int | None = None
+  warps_per_row: int | None = None
+  stages: int | None = None
+  num_blocks: int = H200_NUM_SMS
+  tile_bytes: int | None = None
+  max_stages: int = 4
+  max_elems: int | None = None
+
+
+def _vec(itemsize: int) -> int:
+  return 16 // itemsize
+
+
+def supported(d: int, dtype) -> bool:
+  """Whether the row layout covers rows of `d` elements of `dtype`."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if itemsize not in (2, 4) or d % _vec(itemsize):
+    return False
+  chunks = d // _vec(itemsize)
+  return chunks % 32 == 0 or (chunks < 32 and 32 % chunks == 0)
+
+
+def _row_layout(d: int, itemsize: int, wpr: int) -> plgpu.Layout:
+  """Warps own whole rows (or 2 warps one row); lanes own 16 bytes each.
+
+  With `wpr=2` a row's sums cross two warps (a shared-memory step), but each
+  thread holds half as many values: the choice for wide rows in the
+  backward, where registers run out first.
+  """
+  vec = _vec(itemsize)
+  lanes_per_row = min(32, d // vec)
+  rows_per_warp = 32 // lanes_per_row
+  tiled = functools.partial(plgpu.Layout.TILED, vector_dim=-1)
+  if wpr == 2:
+    # [m, d] -> [m/2, d/(64·vec), 2 rows, 2 warps, 32 lanes, vec]
+    tiling = fa.Tiling(((2, 64 * vec), (32 * vec,), (vec,)))
+    return tiled(tiling, warp_dims=(-4, -3), lane_dims=(-2,))
+  if rows_per_warp == 1:
+    # [m, d] -> [m/4, d/(32·vec), 4 warps, 32 lanes, vec]
+    tiling = fa.Tiling(((4, 32 * vec), (vec,)))
+    return tiled(tiling, warp_dims=(-3,), lane_dims=(-2,))
+  # [m, d] -> [m/(4·rpw), 1, 4 warps, lanes_per_row, rpw, vec]
+  tiling = fa.Tiling(
+    ((4 * rows_per_warp, lanes_per_row * vec), (rows_per_warp, vec))
+  )
+  return tiled(tiling, warp_dims=(-4,), lane_dims=(-2, -3))
+
+
+def _min_rows(d: int, itemsize: int, wpr: int = 1) -> int:
+  return 4 * (32 // min(32, d // _vec(itemsize))) // wpr
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static settings of one kernel instance (hashable)."""
+
+  t: int
+  d: int
+  dtype: jnp.dtype
+  gamma_dtype: jnp.dtype | None
+  has_residual: bool
+  eps: float
+  block_rows: int
+  warps_per_row: int
+  stages: int
+  num_blocks: int
+  interpret: bool
+
+  @property
+  def num_tiles(self) -> int:
+    return pl.cdiv(self.t, self.block_rows)
+
+  @property
+  def ragged(self) -> bool:
+    return self.t % self.block_rows != 0
+
+  @property
+  def layout(self):
+    itemsize = jnp.dtype(self.dtype).itemsize
+    return _row_layout(self.d, itemsize, self.warps_per_row)
+
+
+def make_config(
+  t, d, dtype, gamma_dtype, has_residual, eps, block_sizes, interpret, *, bwd
+) -> _Config:
+  itemsize = jnp.dtype(dtype).itemsize
+  bs = block_sizes or BlockSizes()
+  tile_bytes = bs.tile_bytes or (8 if bwd else 16) * 1024
+  max_elems = bs.max_elems or (32 if bwd else 64)
+  wpr = bs.warps_per_row
+  if wpr is None:
+    wpr = 1
+    if (
+      _min_rows(d, itemsize) * d > 128 * max_elems
+      and d // _vec(itemsize) % 64 == 0
+    ):
+      wpr = 2
+  if wpr not in (1, 2) or (wpr > 1 and d // _vec(itemsize) % (32 * wpr)):
+    raise ValueError(f"warps_per_row={wpr} does not divide rows of {d}")
+  unit = _min_rows(d, itemsize, wpr)
+  if bs.block_rows is None:
+    rows = max(unit, tile_bytes // (d * itemsize) // unit * unit)
+  else:
+    rows = bs.block_rows
+  if rows % unit:
+    raise ValueError(f"block_rows={rows} must be a multiple of {unit}")
+  # Keep small problems on few tiles: no tile taller than needed.
+  rows = min(rows, pl.cdiv(t, unit) * unit)
+  tile = rows * d * itemsize
+  n_in = 2 + has_residual if bwd else 1 + has_residual
+  n_out = 1 if bwd else 1 + has_residual
+  fixed = 2 * n_out * tile + (rows * d * 4 if bwd and gamma_dtype else 0)
+  stages = bs.stages
+  if stages is None:
+    stages = max(1, min(bs.max_stages, (_SMEM_BUDGET - fixed) // (n_in * tile)))
+  num_tiles = pl.cdiv(t, rows)
+  return _Config(
+    t=t,
+    d=d,
+    dtype=jnp.dtype(dtype),
+    gamma_dtype=None if gamma_dtype is None else jnp.dtype(gamma_dtype),
+    has_residual=has_residual,
+    eps=float(eps),
+    block_rows=rows,
+    warps_per_row=wpr,
+    stages=stages,
+    num_blocks=min(bs.num_blocks, num_tiles),
+    interpret=interpret,
+  )
+
+
+def _bcast_rows(v_m, cfg: _Config):
+  """Per-row `[m]` values -> `[m, d]` in the row layout."""
+  return plgpu.layout_cast(
+    lax.broadcast_in_dim(v_m, (cfg.block_rows, cfg.d), (0,)), cfg.layout
+  )
+
+
+def _bcast_cols(v_d, cfg: _Config):
+  """Per-feature `[d]` values -> `[m, d]` in the row layout."""
+  return plgpu.layout_cast(
+    lax.broadcast_in_dim(v_d, (cfg.block_rows, cfg.d), (1,)), cfg.layout
+  )
+
+
+def _pipeline(cfg: _Config, in_gmem, in_smem, barrier, out_gmem, out_smem):
+  """Persistent loop over this block's tiles; yields (step, ins, store).
+
+  Returns a function `run(body, carry)`: `body(step, row0, in_refs, store,
+  carry) -> carry` reads the current tile from `in_refs` and calls
+  `store(values)` once with one array per output.
+  """
+  m, g, s = cfg.block_rows, cfg.num_blocks, cfg.stages
+  blk = lax.axis_index("blocks")
+  num_steps = (cfg.num_tiles - blk + g - 1) // g
+
+  def rows(step):
+    return pl.ds((blk + step * g) * m, m)
+
+  def fetch(step, slot):
+    for src, dst in zip(in_gmem, in_smem, strict=True):
+      plgpu.copy_gmem_to_smem(
+        src.at[rows(step)],
+        dst.at[slot],
+        barrier.at[slot],
+        oob_mode=plgpu.OOBFillMode.UNDEFINED,
+      )
+
+  def run(body, carry):
+    for i in range(s):
+
+      @pl.when(i < num_steps)
+      def _(i=i):
+        fetch(i, i)
+
+    def step_fn(step, carry):
+      slot = lax.rem(step, s)
+      out_slot = lax.rem(step, 2)
+      plgpu.barrier_wait(barrier.at[slot])
+
+      def store(values):
+        # The store issued two steps ago from this buffer must have read it.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        for v, buf in zip(values, out_smem, strict=True):
+          buf.at[out_slot][...] = v.astype(buf.dtype)
+        plgpu.commit_smem()
+        for i, (buf, dst) in enumerate(zip(out_smem, out_gmem, strict=True)):
+          plgpu.copy_smem_to_gmem(
+            buf.at[out_slot],
+            dst.at[rows(step)],
+            commit_group=i == len(out_smem) - 1,
+          )
+
+      row0 = (blk + step * g) * m
+      carry = body(row0, [r.at[slot] for r in in_smem], store, carry)
+
+      @pl.when(step + s < num_steps)
+      def _():
+        fetch(step + s, slot)
+
+      return carry
+
+    carry = lax.fori_loop(0, num_steps, step_fn, carry)
+    plgpu.wait_smem_to_gmem(0)
+    return carry
+
+  return run
+
+
+def _load_gamma(gamma_gmem, cfg: _Config):
+  layout = cfg.layout
+  g = plgpu.load(gamma_gmem, layout=layout.reduce(0), optimized=False)
+  return g.astype(jnp.float32)
+
+
+def _fwd_kernel(cfg: _Config, *refs):
+  it = iter(refs)
+  x_gmem = next(it)
+  r_gmem = next(it) if cfg.has_residual else None
+  gamma_gmem = next(it) if cfg.gamma_dtype else None
+  y_gmem = next(it)
+  h_gmem = next(it) if cfg.has_residual else None
+  in_smem, out_smem, barrier = next(it), next(it), next(it)
+  in_gmem = [x_gmem] + ([r_gmem] if cfg.has_residual else [])
+  out_gmem = [y_gmem] + ([h_gmem] if cfg.has_residual else [])
+  layout = cfg.layout
+  gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
+  inv_d = 1.0 / cfg.d
+
+  def body(row0, ins, store, carry):
+    del row0
+    h = plgpu.load(ins[0], layout=layout)
+    if cfg.has_residual:
+      h = h + plgpu.load(ins[1], layout=layout)  # in x's dtype, as reference
+    h32 = h.astype(jnp.float32)
+    ms_m = jnp.sum(h32 * h32, axis=1) * inv_d
+    y = h32 * _bcast_rows(lax.rsqrt(ms_m + cfg.eps), cfg)
+    if gamma is not None:
+      y = y * _bcast_cols(gamma, cfg)
+    store([y, h] if cfg.has_residual else [y])
+    return carry
+
+  _pipeline(cfg, in_gmem, in_smem, barrier, out_gmem, out_smem)(body, ())
+
+
+def _bwd_kernel(cfg: _Config, *refs):
+  it = iter(refs)
+  h_gmem, dy_gmem = next(it), next(it)
+  dh_out_gmem = next(it) if cfg.has_residual else None
+  gamma_gmem = next(it) if cfg.gamma_dtype else None
+  dh_gmem = next(it)
+  dgamma_gmem = next(it) if cfg.gamma_dtype else None
+  in_smem, out_smem, barrier = next(it), next(it), next(it)
+  acc_smem = next(it) if cfg.gamma_dtype else None
+  in_gmem = [h_gmem, dy_gmem] + ([dh_out_gmem] if cfg.has_residual else [])
+  layout = cfg.layout
+  m, d = cfg.block_rows, cfg.d
+  gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
+  inv_d = 1.0 / d
+
+  def body(row0, ins, store, acc):
+    h = plgpu.load(ins[0], layout=layout).astype(jnp.float32)
+    dy = plgpu.load(ins[1], layout=layout).astype(jnp.float32)
+    g = dy if gamma is None else dy * _bcast_cols(gamma, cfg)
+    r_m = lax.rsqrt(jnp.sum(h * h, axis=1) * inv_d + cfg.eps)
+    c_m = r_m * r_m * r_m * (jnp.sum(g * h, axis=1) * inv_d)
+    dh = g * _bcast_rows(r_m, cfg) - h * _bcast_rows(c_m, cfg)
+    if cfg.has_residual:
+      dh = dh + plgpu.load(ins[2], layout=layout).astype(jnp.float32)
+    store([dh])
+    if gamma is None:
+      return acc
+    contrib = dy * h * _bcast_rows(r_m, cfg)
+    if cfg.ragged:
+      # Rows past `t` in the last tile hold stale shared memory.
+      row = plgpu.broadcasted_iota(jnp.int32, (m, d), 0, layout=layout)
+      contrib = jnp.where(row + row0 < cfg.t, contrib, 0.0)
+    return acc + contrib
+
+  run = _pipeline(cfg, in_gmem, in_smem, barrier, [dh_gmem], out_smem)
+  if gamma is None:
+    run(body, ())
+    return
+  acc0 = plgpu.layout_cast(jnp.zeros((m, d), jnp.float32), layout)
+  acc = run(body, acc0)
+  acc_smem[...] = acc
+  plgpu.commit_smem()
+  blk = lax.axis_index("blocks")
+  plgpu.copy_smem_to_gmem(acc_smem, dgamma_gmem.at[pl.ds(blk * m, m)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
+  m, d = cfg.block_rows, cfg.d
+  scratch = [
+    [plgpu.SMEM((cfg.stages, m, d), cfg.dtype) for _ in range(n_in)],
+    [plgpu.SMEM((2, m, d), cfg.dtype) for _ in range(n_out)],
+    plgpu.Barrier(num_arrivals=n_in, num_barriers=cfg.stages),
+    *extra_scratch,
+  ]
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+  fn = plgpu.kernel(
+    functools.partial(kernel, cfg),
+    out_type=out_type,
+    scratch_types=scratch,
+    compiler_params=params,
+    grid=(cfg.num_blocks,),
+    grid_names=("blocks",),
+    interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+  )
+  return fn(*args)
+
+
+def rms_norm_fwd(x_td, gamma_d, residual_td, cfg: _Config):
+  """`[t, d]` rows -> `y` (and `h = x + residual`), in x's dtype."""
+  t, d = x_td.shape
+  sds = jax.ShapeDtypeStruct((t, d), x_td.dtype)
+  n_in = 1 + cfg.has_residual
+  out_type = [sds, sds] if cfg.has_residual else [sds]
+  args = [x_td]
+  if cfg.has_residual:
+    args.append(residual_td)
+  if cfg.gamma_dtype:
+    args.append(gamma_d)
+  outs = _call(_fwd_kernel, cfg, out_type, n_in, len(out_type), [], *args)
+  return tuple(outs)
+
+
+def rms_norm_bwd(h_td, dy_td, dh_out_td, gamma_d, cfg: _Config):
+  """Returns `dh` (`[t, d]`, x's dtype) and `dgamma` (`[d]` f32 or None)."""
+  t, d = h_td.shape
+  m = cfg.block_rows
+  out_type = [jax.ShapeDtypeStruct((t, d), h_td.dtype)]
+  extra = []
+  if cfg.gamma_dtype:
+    out_type.append(jax.ShapeDtypeStruct((cfg.num_blocks * m, d), jnp.float32))
+    extra.append(plgpu.SMEM((m, d), jnp.float32))
+  args = [h_td, dy_td]
+  if cfg.has_residual:
+    args.append(dh_out_td)
+  if cfg.gamma_dtype:
+    args.append(gamma_d)
+  n_in = 2 + cfg.has_residual
+  outs = _call(_bwd_kernel, cfg, out_type, n_in, 1, extra, *args)
+  dh = outs[0]
+  # Second stage of the dgamma reduction: `[g·m, d]` partials -> `[d]`.
+  dgamma = jnp.sum(outs[1], axis=0) if cfg.gamma_dtype else None
+  return dh, dgamma
+
+
+def smem_bytes(cfg: _Config, *, bwd: bool) -> int:
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  tile = cfg.block_rows * cfg.d * itemsize
+  n_in = 2 + cfg.has_residual if bwd else 1 + cfg.has_residual
+  n_out = 1 if bwd else 1 + cfg.has_residual
+  acc = cfg.block_rows * cfg.d * 4 if bwd and cfg.gamma_dtype else 0
+  return cfg.stages * n_in * tile + 2 * n_out * tile + acc
+
+
+__all__ = [
+  "BlockSizes",
+  "make_config",
+  "rms_norm_bwd",
+  "rms_norm_fwd",
+  "smem_bytes",
+  "supported",
+]

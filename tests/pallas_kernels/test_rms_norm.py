@@ -1,0 +1,240 @@
+"""Fused RMSNorm (O11): Mosaic GPU kernels against the `jnp` reference.
+
+On CPU the kernels run under Pallas's GPU interpret mode at small shapes,
+with small tiles and few persistent blocks so that several tiles per block,
+the ring of buffers and a ragged last tile are all exercised. The `gpu`
+tests compile for real on the H200 at the benchmark's shapes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.rms_norm import mosaic_gpu
+from pallas_kernels.rms_norm.op import rms_norm_mosaic
+from pallas_kernels.rms_norm.reference import rms_norm_reference
+
+# Relative L2 error bound: the rounding of the output dtype, plus the f32
+# accumulation error, which grows with √(reduction size) (row sums over d,
+# dgamma sums over t).
+_TOL = {jnp.bfloat16: 6e-3, jnp.float32: 2e-6}
+
+
+def _tol(dtype, reduction: int) -> float:
+  return _TOL[dtype] + 1e-7 * math.sqrt(reduction)
+
+
+def _rel_err(a, b) -> float:
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)), "non-finite output"
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _inputs(key, shape, dtype, with_gamma, with_residual):
+  kx, kr, kg = jax.random.split(key, 3)
+  x = (2 * jax.random.normal(kx, shape)).astype(dtype)
+  r = jax.random.normal(kr, shape).astype(dtype) if with_residual else None
+  d = shape[-1]
+  g = (1 + 0.5 * jax.random.normal(kg, (d,))).astype(dtype)
+  return x, (g if with_gamma else None), r
+
+
+def _check(fn, x, g, r, key, *, dtype):
+  """Forward values and all VJPs of `fn` against the reference."""
+  t = math.prod(x.shape[:-1])
+  d = x.shape[-1]
+  out, vjp = jax.vjp(fn, x, g, r)
+  ref, vjp_ref = jax.vjp(
+    lambda x, g, r: rms_norm_reference(x, g, r, eps=1e-6), x, g, r
+  )
+  leaves, ref_leaves = jax.tree.leaves(out), jax.tree.leaves(ref)
+  assert len(leaves) == len(ref_leaves)
+  for o, o_ref in zip(leaves, ref_leaves, strict=True):
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+    assert _rel_err(o, o_ref) < _tol(dtype, d)
+  keys = jax.random.split(key, len(leaves))
+  ct = jax.tree.unflatten(
+    jax.tree.structure(out),
+    [
+      jax.random.normal(k, o.shape).astype(o.dtype)
+      for k, o in zip(keys, leaves, strict=True)
+    ],
+  )
+  grads, grads_ref = vjp(ct), vjp_ref(ct)
+  for name, gr, gr_ref, red in zip(
+    ("dx", "dgamma", "dresidual"), grads, grads_ref, (d, t, d), strict=True
+  ):
+    if gr_ref is None:
+      assert gr is None, name
+      continue
+    assert gr.shape == gr_ref.shape and gr.dtype == gr_ref.dtype, name
+    assert _rel_err(gr, gr_ref) < _tol(dtype, red), name
+
+
+def _small(block_rows=None, warps_per_row=None):
+  # Two persistent blocks, small tiles: several tiles per block, the ring of
+  # buffers wraps, and the last tile is ragged.
+  return mosaic_gpu.BlockSizes(
+    block_rows=block_rows,
+    warps_per_row=warps_per_row,
+    num_blocks=2,
+    stages=2,
+  )
+
+
+VARIANTS = [(True, True), (False, True), (True, False), (False, False)]
+
+
+@pytest.mark.parametrize("with_gamma,with_residual", VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+  "t,d,block_rows,warps_per_row",
+  [
+    (37, 64, 16, 1),  # ragged: 2 full tiles + 5 rows, 4 rows per warp
+    (1, 256, None, 1),  # a single row
+    (24, 512, 4, 1),  # exact multiple of the tile, 2 vectors per lane
+    (7, 512, 2, 2),  # a row split over 2 warps, ragged
+  ],
+)
+def test_matches_reference(
+  t, d, block_rows, warps_per_row, dtype, with_gamma, with_residual
+):
+  key = jax.random.key(t * 1000 + d)
+  x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
+  bs = _small(block_rows, warps_per_row)
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+    )
+
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
+
+
+def test_qk_norm_shape_under_grad():
+  """QK-norm: `[t, n, h]`, gamma `[h]`, through the public op and jax.grad."""
+  t, n, h = 19, 4, 128
+  key = jax.random.key(7)
+  q, g, _ = _inputs(key, (t, n, h), jnp.bfloat16, True, False)
+  w = jax.random.normal(jax.random.fold_in(key, 1), (t, n, h))
+
+  def loss(impl, q, g):
+    y = pallas_kernels.rms_norm(q, g, implementation=impl)
+    return jnp.sum(y.astype(jnp.float32) * w)
+
+  got = jax.grad(lambda q, g: loss("mosaic", q, g), argnums=(0, 1))(q, g)
+  want = jax.grad(lambda q, g: loss("xla", q, g), argnums=(0, 1))(q, g)
+  assert _rel_err(got[0], want[0]) < _tol(jnp.bfloat16, h)
+  assert _rel_err(got[1], want[1]) < _tol(jnp.bfloat16, t * n)
+
+
+def test_vmap_over_shards_with_shared_gamma():
+  """A leading shard axis under vmap; gamma shared, its gradient summed."""
+  s, t, d = 2, 21, 64
+  key = jax.random.key(3)
+  x, g, r = _inputs(key, (s, t, d), jnp.float32, True, True)
+  bs = _small(16)
+
+  def fn(x, g, r):
+    per_shard = jax.vmap(
+      lambda x, r: rms_norm_mosaic(
+        x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+      )
+    )
+    return per_shard(x, r)
+
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.float32)
+
+
+def test_no_rows_and_unsupported_width_fall_back():
+  x = jnp.zeros((0, 64), jnp.bfloat16)
+  assert rms_norm_mosaic(x, interpret=True).shape == (0, 64)
+  assert not mosaic_gpu.supported(96, jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), (5, 96))
+  np.testing.assert_allclose(
+    rms_norm_mosaic(x, interpret=True), rms_norm_reference(x), rtol=1e-6
+  )
+
+
+def test_block_rows_follow_layout():
+  for d, itemsize_dtype, unit in [
+    (64, jnp.bfloat16, 16),
+    (128, jnp.bfloat16, 8),
+    (512, jnp.bfloat16, 4),
+    (64, jnp.float32, 8),
+  ]:
+    assert mosaic_gpu.supported(d, itemsize_dtype)
+    cfg = mosaic_gpu.make_config(
+      10_000, d, itemsize_dtype, None, True, 1e-6, None, False, bwd=False
+    )
+    assert cfg.block_rows % unit == 0
+    assert mosaic_gpu.smem_bytes(cfg, bwd=False) <= 200 * 1024
+  with pytest.raises(ValueError, match="multiple"):
+    mosaic_gpu.make_config(
+      100,
+      64,
+      jnp.bfloat16,
+      None,
+      False,
+      1e-6,
+      mosaic_gpu.BlockSizes(block_rows=8),
+      False,
+      bwd=False,
+    )
+
+
+def test_default_dispatch_on_cpu_is_xla():
+  x = jax.random.normal(jax.random.key(1), (3, 64))
+  np.testing.assert_array_equal(
+    pallas_kernels.rms_norm(x), rms_norm_reference(x)
+  )
+
+
+# --- Real compilation on the H200 (`pytest -m gpu`) -------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "shape,with_gamma,with_residual",
+  [
+    # Ragged tails on real hardware, where rows past `t` hold stale SMEM.
+    *[((262_144 + 37, 512), g, r) for g, r in VARIANTS],
+    ((65_536 + 3, 2048), True, True),  # backward splits rows over 2 warps
+    ((4_099, 8, 64), True, False),  # QK-norm: 4 rows per warp
+  ],
+)
+def test_gpu_matches_reference(shape, with_gamma, with_residual):
+  key = jax.random.key(shape[0])
+  x, g, r = _inputs(key, shape, jnp.bfloat16, with_gamma, with_residual)
+  fn = jax.jit(lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=False))
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [37, 5])
+def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t):
+  """One block, two buffers: the ragged last tile reuses the buffer of tile
+  0, so its rows past `t` hold real (stale) data that must not reach dgamma.
+  """
+  key = jax.random.key(t)
+  x, g, r = _inputs(key, (t, 512), jnp.bfloat16, True, True)
+  bs = mosaic_gpu.BlockSizes(block_rows=16, num_blocks=1, stages=2)
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=False
+    )
+
+  _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_mosaic():
+  x = jax.random.normal(jax.random.key(2), (1000, 512), jnp.bfloat16)
+  hlo = jax.jit(pallas_kernels.rms_norm).lower(x).as_text()
+  assert "mosaic_gpu" in hlo
