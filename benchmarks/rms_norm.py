@@ -20,6 +20,7 @@ gamma, the backward without dgamma, and a few tile settings.
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import time
@@ -127,278 +128,276 @@ def smem_copy(x_td, block_sizes):
   return mg._call(kernel, cfg, [sds], 1, 1, [], x_td)[0]
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=None, help="also write JSON here")
-  ap.add_argument("--sweep", action="store_true", help="time tile settings")
-  ap.add_argument("--small", action="store_true", help="tiny run (CPU)")
-  args = ap.parse_args()
-  global T, INTERPRET, CALLS, REPEATS
-  if args.small:
-    T, INTERPRET = 1000, jax.default_backend() != "gpu"
-    CALLS, REPEATS = 1, 1
-  print(jax.devices()[0], jax.__version__)
+class Case:
+  """Inputs (two rotating sets) and kernel builders for one width `d`."""
 
-  # 1 Gi bf16 elements = 2 GiB each way.
-  bw = copy_bandwidth(1 << 30 if not args.small else 1 << 20)
-  copy_bw = bw["xla copy"]
-  print({k: f"{v / 1e12:.3f} TB/s" for k, v in bw.items()})
-
-  records, rows, extra = [], [], {"copy_bw": bw}
-  for d in DS:
-    key = jax.random.key(d)
-    ks = jax.random.split(key, 12)
-    sets = []
+  def __init__(self, d: int):
+    self.d = d
+    self.tensor = T * d * 2  # bytes of one [T, d] bf16 tensor
+    ks = jax.random.split(jax.random.key(d), 12)
+    self.sets = []
     for i in range(2):
       x = _randn(ks[6 * i], (T, d))
       r = _randn(ks[6 * i + 1], (T, d))
       g = (1 + 0.1 * _randn(ks[6 * i + 2], (d,), jnp.float32)).astype(DTYPE)
       dy = _randn(ks[6 * i + 3], (T, d))
       dh = _randn(ks[6 * i + 4], (T, d))
-      sets.append((x, r, g, dy, dh))
-    tensor = T * d * 2
-    case = f"T={T} D={d} bf16 residual+gamma"
+      self.sets.append((x, r, g, dy, dh))
+    self.fwd_args = [(x, r, g) for x, r, g, _, _ in self.sets]
+    self.bwd_args = [(x, g, dy, dh) for x, _, g, dy, dh in self.sets]
 
-    def fwd_cfg(bs, gamma=True, residual=True, d=d):
-      return mg.make_config(
-        T,
-        d,
-        DTYPE,
-        DTYPE if gamma else None,
-        residual,
-        1e-6,
-        bs,
-        INTERPRET,
-        bwd=False,
-      )
-
-    def bwd_cfg(bs, gamma=True, residual=True, d=d):
-      return mg.make_config(
-        T,
-        d,
-        DTYPE,
-        DTYPE if gamma else None,
-        residual,
-        1e-6,
-        bs,
-        INTERPRET,
-        bwd=True,
-      )
-
-    def ours_fwd(cfg):
-      return jax.jit(
-        lambda xa, ra, ga: mg.rms_norm_fwd(
-          xa,
-          ga if cfg.gamma_dtype else None,
-          ra if cfg.has_residual else None,
-          cfg,
-        )
-      )
-
-    def ours_bwd(cfg):
-      return jax.jit(
-        lambda ha, ga, dya, dha: mg.rms_norm_bwd(
-          ha,
-          dya,
-          dha if cfg.has_residual else None,
-          ga if cfg.gamma_dtype else None,
-          cfg,
-        )
-      )
-
-    fwd_args = [(x, r, g) for x, r, g, _, _ in sets]
-    bwd_args = [(x, g, dy, dh) for x, _, g, dy, dh in sets]
-
-    # Correctness at the benchmark shape before timing.
-    x, r, g, dy, dh = sets[0]
-    cf, cb = fwd_cfg(None), bwd_cfg(None)
-    y, h = ours_fwd(cf)(x, r, g)
-    y_ref, h_ref = rms_norm_reference(x, g, r)
-    dxo, dgo = ours_bwd(cb)(h, g, dy, dh)
-    _, vjp_ref = jax.vjp(lambda x, g, r: rms_norm_reference(x, g, r), x, g, r)
-    dx_ref, dg_ref, _ = vjp_ref((dy, dh))
-
-    def rel(a, b):
-      a = jnp.asarray(a, jnp.float32)
-      b = jnp.asarray(b, jnp.float32)
-      return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-    errs = {
-      "y": rel(y, y_ref),
-      "h": rel(h, h_ref),
-      "dx": rel(dxo, dx_ref),
-      "dgamma": rel(dgo, dg_ref),
-    }
-    print(d, "relative errors", errs)
-    extra[f"errors_d{d}"] = errs
-    assert all(e < 2e-2 for e in errs.values()), errs
-
-    xla_fwd = jax.jit(lambda x, r, g: rms_norm_reference(x, g, r))
-    xla_bwd = jax.jit(
-      lambda x, g, dy, dh, r: jax.vjp(
-        lambda x, g, r: rms_norm_reference(x, g, r), x, g, r
-      )[1]((dy, dh))
+  def cfg(self, bs, *, bwd, gamma=True, residual=True):
+    gamma_dtype = DTYPE if gamma else None
+    return mg.make_config(
+      T, self.d, DTYPE, gamma_dtype, residual, 1e-6, bs, INTERPRET, bwd=bwd
     )
-    t_xla_fwd = device_time(xla_fwd, fwd_args)
-    t_xla_bwd = device_time(
-      xla_bwd, [(x, g, dy, dh, r) for x, r, g, dy, dh in sets]
+
+  @staticmethod
+  def fwd(cfg):
+    def f(x, r, g):
+      g = g if cfg.gamma_dtype else None
+      return mg.rms_norm_fwd(x, g, r if cfg.has_residual else None, cfg)
+
+    return jax.jit(f)
+
+  @staticmethod
+  def bwd(cfg):
+    def f(h, g, dy, dh):
+      g = g if cfg.gamma_dtype else None
+      return mg.rms_norm_bwd(h, dy, dh if cfg.has_residual else None, g, cfg)
+
+    return jax.jit(f)
+
+
+def _rel(a, b) -> float:
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def check(c: Case) -> dict:
+  """Values and gradients at the benchmark shape, before timing."""
+  x, r, g, dy, dh = c.sets[0]
+  y, h = c.fwd(c.cfg(None, bwd=False))(x, r, g)
+  y_ref, h_ref = rms_norm_reference(x, g, r)
+  dx, dg = c.bwd(c.cfg(None, bwd=True))(h, g, dy, dh)
+  _, vjp_ref = jax.vjp(rms_norm_reference, x, g, r)
+  dx_ref, dg_ref, _ = vjp_ref((dy, dh))
+  errs = {
+    "y": _rel(y, y_ref),
+    "h": _rel(h, h_ref),
+    "dx": _rel(dx, dx_ref),
+    "dgamma": _rel(dg, dg_ref),
+  }
+  print(f"D={c.d} relative errors", errs)
+  assert all(e < 2e-2 for e in errs.values()), errs
+  return errs
+
+
+def measure(c: Case, copy_bw: float, records: list, rows: list) -> dict:
+  """Ours vs XLA, forward and backward; then stages left out."""
+  d, tensor = c.d, c.tensor
+  case = f"T={T} D={d} bf16 residual+gamma"
+  xla_fwd = jax.jit(lambda x, r, g: rms_norm_reference(x, g, r))
+
+  def xla_vjp(x, g, dy, dh, r):
+    return jax.vjp(rms_norm_reference, x, g, r)[1]((dy, dh))
+
+  xla_args = [(x, g, dy, dh, r) for x, r, g, dy, dh in c.sets]
+  cf, cb = c.cfg(None, bwd=False), c.cfg(None, bwd=True)
+  t_xla = {
+    "fwd": device_time(xla_fwd, c.fwd_args),
+    "bwd": device_time(jax.jit(xla_vjp), xla_args),
+  }
+  t_ours = {
+    "fwd": device_time(c.fwd(cf), c.fwd_args),
+    "bwd": device_time(c.bwd(cb), c.bwd_args),
+  }
+  nbytes = {
+    "fwd": 4 * tensor + d * 2,
+    "bwd": 4 * tensor + d * 2 + cb.num_blocks * cb.block_rows * d * 4,
+  }
+  baseline = {"fwd": "xla: jit(reference)", "bwd": "xla: jit(reference VJP)"}
+  for name, cfg in (("fwd", cf), ("bwd", cb)):
+    t, tx, nb = t_ours[name], t_xla[name], nbytes[name]
+    rows.append(
+      dict(
+        d=d,
+        pass_=name,
+        ours_ms=t * 1e3,
+        xla_ms=tx * 1e3,
+        speedup=tx / t,
+        tbps=nb / t / 1e12,
+        copy_fraction=nb / t / copy_bw,
+        block_rows=cfg.block_rows,
+        warps_per_row=cfg.warps_per_row,
+        stages=cfg.stages,
+        num_blocks=cfg.num_blocks,
+      )
     )
-    t_fwd = device_time(ours_fwd(cf), fwd_args)
-    t_bwd = device_time(ours_bwd(cb), bwd_args)
+    label = f"{case} {name}"
+    rec = functools.partial(common.record, "rms_norm", label, "mosaic")
+    records += [
+      rec(
+        "ms",
+        t * 1e3,
+        baseline=baseline[name],
+        baseline_value=tx * 1e3,
+        lower_is_better=True,
+      ),
+      rec(
+        "speedup vs xla",
+        tx / t,
+        baseline=baseline[name],
+        goal=GOAL_SPEEDUP,
+      ),
+      rec(
+        "TB/s",
+        nb / t / 1e12,
+        baseline="device copy TB/s",
+        baseline_value=copy_bw / 1e12,
+        goal=GOAL_COPY_FRACTION,  # bounds the ratio: fraction of copy
+      ),
+    ]
 
-    fwd_bytes = 4 * tensor + d * 2
-    bwd_bytes = 4 * tensor + d * 2 + cb.num_blocks * cb.block_rows * d * 4
-    timings = {
-      "fwd": (t_fwd, fwd_bytes, cf),
-      "bwd": (t_bwd, bwd_bytes, cb),
-    }
-    for name, (t_ours, nbytes, cfg) in timings.items():
-      t_xla = t_xla_fwd if name == "fwd" else t_xla_bwd
-      rows.append(
-        dict(
-          d=d,
-          pass_=name,
-          ours_ms=t_ours * 1e3,
-          xla_ms=t_xla * 1e3,
-          speedup=t_xla / t_ours,
-          tbps=nbytes / t_ours / 1e12,
-          copy_fraction=nbytes / t_ours / copy_bw,
-          block_rows=cfg.block_rows,
-          stages=cfg.stages,
-          num_blocks=cfg.num_blocks,
-        )
-      )
-      records.append(
-        common.record(
-          "rms_norm",
-          f"{case} {name}",
-          "mosaic",
-          "ms",
-          t_ours * 1e3,
-          baseline="xla (jit of reference"
-          + (")" if name == "fwd" else " VJP)"),
-          baseline_value=t_xla * 1e3,
-          lower_is_better=True,
-          goal=None,
-        )
-      )
-      records.append(
-        common.record(
-          "rms_norm",
-          f"{case} {name}",
-          "mosaic",
-          "speedup vs xla",
-          t_xla / t_ours,
-          goal=GOAL_SPEEDUP,
-        )
-      )
-      records.append(
-        common.record(
-          "rms_norm",
-          f"{case} {name}",
-          "mosaic",
-          "TB/s",
-          nbytes / t_ours / 1e12,
-          baseline="device copy",
-          baseline_value=copy_bw / 1e12,
-        )
-      )
-      records.append(
-        common.record(
-          "rms_norm",
-          f"{case} {name}",
-          "mosaic",
-          "fraction of copy bw",
-          nbytes / t_ours / copy_bw,
-          goal=GOAL_COPY_FRACTION,
-        )
-      )
-
-    # Where the time goes: stages left out (same tiles as the default).
-    parts = {}
-    xs = [(s[0],) for s in sets]
-    cp = jax.jit(lambda x: smem_copy(x, None))
-    parts["copy through SMEM (x->y, no compute)"] = (
-      device_time(cp, xs),
+  # Where the time goes: the same tiles with a stage left out.
+  xs = [(s[0],) for s in c.sets]
+  parts = {
+    "copy through SMEM (x->y, no compute)": (
+      jax.jit(lambda x: smem_copy(x, None)),
+      xs,
       2 * tensor,
-    )
-    parts["fwd no residual (x->y)"] = (
-      device_time(ours_fwd(fwd_cfg(None, residual=False)), fwd_args),
+    ),
+    "fwd without residual (x->y)": (
+      c.fwd(c.cfg(None, bwd=False, residual=False)),
+      c.fwd_args,
       2 * tensor,
-    )
-    parts["fwd no gamma"] = (
-      device_time(ours_fwd(fwd_cfg(None, gamma=False)), fwd_args),
+    ),
+    "fwd without gamma": (
+      c.fwd(c.cfg(None, bwd=False, gamma=False)),
+      c.fwd_args,
       4 * tensor,
-    )
-    parts["bwd no gamma (no dgamma)"] = (
-      device_time(ours_bwd(bwd_cfg(None, gamma=False)), bwd_args),
+    ),
+    "bwd without gamma (no dgamma)": (
+      c.bwd(c.cfg(None, bwd=True, gamma=False)),
+      c.bwd_args,
       4 * tensor,
-    )
-    parts["bwd no residual"] = (
-      device_time(ours_bwd(bwd_cfg(None, residual=False)), bwd_args),
+    ),
+    "bwd without residual (no dh_out)": (
+      c.bwd(c.cfg(None, bwd=True, residual=False)),
+      c.bwd_args,
       3 * tensor,
+    ),
+    "xla copy of x": (jax.jit(lambda x: jnp.copy(x)), xs, 2 * tensor),
+  }
+  out = {}
+  for k, (fn, a, nb) in parts.items():
+    t = device_time(fn, a)
+    out[k] = dict(ms=t * 1e3, tbps=nb / t / 1e12, copy=nb / t / copy_bw)
+    print(
+      f"  D={d} {k:36s} {t * 1e3:7.3f} ms {nb / t / 1e12:6.3f} TB/s"
+      f" ({nb / t / copy_bw:.0%} of copy)"
     )
-    parts["xla copy of x"] = (
-      device_time(jax.jit(lambda x: jnp.copy(x)), xs),
-      2 * tensor,
-    )
-    for k, (t_, nb) in parts.items():
-      print(
-        f"  D={d} {k:42s} {t_ * 1e3:7.3f} ms {nb / t_ / 1e12:6.3f} TB/s"
-        f" ({nb / t_ / copy_bw:.0%} of copy)"
-      )
-    extra[f"parts_d{d}"] = {
-      k: (t_ * 1e3, nb / t_ / 1e12) for k, (t_, nb) in parts.items()
-    }
+  return out
 
-    if args.sweep:
-      sweep = []
-      for name, (rows_, wpr, stages, nb) in SWEEP[d]:
-        bs = mg.BlockSizes(
-          block_rows=rows_, warps_per_row=wpr, stages=stages, num_blocks=nb
-        )
-        mk, run, a = {
-          "fwd": (fwd_cfg, ours_fwd, fwd_args),
-          "bwd": (bwd_cfg, ours_bwd, bwd_args),
-        }[name]
-        cfg = mk(bs)
-        smem = mg.smem_bytes(cfg, bwd=name == "bwd")
-        label = (
-          f"D={d} {name} rows={cfg.block_rows} wpr={wpr} "
-          f"stages={cfg.stages} blocks={cfg.num_blocks} "
-          f"smem={smem // 1024}K"
-        )
-        if smem * (nb // 132) > 220 * 1024:
-          print("  sweep", label, "skipped: shared memory")
-          continue
-        try:
-          t_ = device_time(run(cfg), a)
-        except Exception as e:  # noqa: BLE001 - report and go on
-          print("  sweep", label, "failed:", type(e).__name__, str(e)[:300])
-          continue
-        nbytes = 4 * tensor
-        sweep.append(dict(label=label, ms=t_ * 1e3, tbps=nbytes / t_ / 1e12))
-        print(
-          f"  sweep {label}: {t_ * 1e3:.3f} ms {nbytes / t_ / 1e12:.3f} TB/s"
-        )
-      extra[f"sweep_d{d}"] = sweep
+
+def sweep(c: Case) -> list:
+  """Tile settings of `SWEEP[d]`, four tensors' bytes per pass."""
+  results = []
+  for name, (rows_, wpr, stages, nb) in SWEEP[c.d]:
+    bs = mg.BlockSizes(
+      block_rows=rows_, warps_per_row=wpr, stages=stages, num_blocks=nb
+    )
+    cfg = c.cfg(bs, bwd=name == "bwd")
+    smem = mg.smem_bytes(cfg, bwd=name == "bwd")
+    label = (
+      f"D={c.d} {name} rows={cfg.block_rows} wpr={cfg.warps_per_row} "
+      f"stages={cfg.stages} blocks={cfg.num_blocks} smem={smem // 1024}K"
+    )
+    if smem * (nb // 132) > 220 * 1024:
+      print("  sweep", label, "skipped: shared memory")
+      continue
+    fn, args = (
+      (c.fwd(cfg), c.fwd_args)
+      if name == "fwd"
+      else (
+        c.bwd(cfg),
+        c.bwd_args,
+      )
+    )
+    try:
+      t = device_time(fn, args)
+    except Exception as e:  # noqa: BLE001 - report and go on
+      print("  sweep", label, "failed:", type(e).__name__, str(e)[:300])
+      continue
+    tbps = 4 * c.tensor / t / 1e12
+    results.append(dict(label=label, ms=t * 1e3, tbps=tbps))
+    print(f"  sweep {label}: {t * 1e3:.3f} ms {tbps:.3f} TB/s")
+  return results
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=None, help="also write JSON here")
+  ap.add_argument("--sweep", action="store_true", help="time tile settings")
+  ap.add_argument("--small", action="store_true", help="tiny run (CPU)")
+  args = ap.parse_args()
+  global T, DS, INTERPRET, CALLS, REPEATS
+  if args.small:
+    T, DS, INTERPRET = 100, (512,), jax.default_backend() != "gpu"
+    CALLS, REPEATS = 1, 1
+  print(jax.devices()[0], jax.__version__)
+  details = {}
+
+  def save():
+    if args.out:
+      p = pathlib.Path(args.out) / "rms_norm_details.json"
+      p.parent.mkdir(parents=True, exist_ok=True)
+      p.write_text(json.dumps(details, indent=1, default=str))
+
+  # 1 Gi bf16 elements = 2 GiB each way.
+  bw = copy_bandwidth(1 << 30 if not args.small else 1 << 20)
+  copy_bw = bw["xla copy"]
+  print({k: f"{v / 1e12:.3f} TB/s" for k, v in bw.items()})
+  details["copy_bw"] = bw
+
+  records = [
+    common.record(
+      "rms_norm",
+      "device copy, 2 GiB bf16",
+      "xla: jnp.copy",
+      "TB/s",
+      copy_bw / 1e12,
+    )
+  ]
+  rows = []
+  for d in DS:
+    c = Case(d)
+    details[f"errors_d{d}"] = check(c)
+    details[f"parts_d{d}"] = measure(c, copy_bw, records, rows)
+    details["rows"] = rows
+    save()
+    del c
 
   print()
   print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write)")
-  print("D    pass ours_ms xla_ms speedup TB/s  copy%  rows stages blocks")
+  print("D    pass ours_ms xla_ms speedup TB/s  copy%  rows wpr stages blocks")
   for r in rows:
     print(
       f"{r['d']:<4} {r['pass_']:4} {r['ours_ms']:7.3f} {r['xla_ms']:6.3f}"
       f" {r['speedup']:6.2f}x {r['tbps']:5.2f} {r['copy_fraction']:5.0%}"
-      f" {r['block_rows']:5} {r['stages']:6} {r['num_blocks']:6}"
+      f" {r['block_rows']:5} {r['warps_per_row']:3} {r['stages']:6}"
+      f" {r['num_blocks']:6}"
     )
   if args.small:  # a smoke run: print, but keep the real results file
     common.print_table(records)
-    return
-  common.write_results("rms_norm", records, out_dir=args.out)
-  if args.out:
-    p = pathlib.Path(args.out) / "rms_norm_details.json"
-    p.write_text(json.dumps(dict(rows=rows, **extra), indent=1, default=str))
+  else:
+    common.write_results("rms_norm", records, out_dir=args.out)
+
+  if args.sweep:
+    for d in DS:
+      details[f"sweep_d{d}"] = sweep(Case(d))
+      save()
 
 
 if __name__ == "__main__":
