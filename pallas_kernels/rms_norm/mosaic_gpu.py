@@ -390,6 +390,11 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
     compiler_params=params,
     grid=(cfg.num_blocks,),
     grid_names=("blocks",),
+    kernel_name=(
+      f"rms_norm{kernel.__name__}_d{cfg.d}_m{cfg.block_rows}"
+      f"_w{cfg.warps_per_row}_s{cfg.stages}_r{cfg.has_residual:d}"
+      f"_g{cfg.gamma_dtype is not None:d}"
+    ),
     interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
   )
   return fn(*args)
