@@ -54,7 +54,8 @@ class Dim(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles per compute warpgroup; defaults tuned on H200 (see .notes/fp8.md).
+  """Tiles per compute warpgroup. The defaults are the first configuration
+  measured on the H200 (.notes/fp8.md); no tile sweep has run yet.
 
   The accumulator and the per-block product both live in registers
   (`2 * tile_m * tile_n / 128` floats per thread), which caps
@@ -235,6 +236,8 @@ def scaled_matmul_mgpu(
     raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
   if sa_Jm.shape != (k // kb, m) or sb_Jn.shape != (k // kb, n):
     raise ValueError(f"scale shapes {sa_Jm.shape}, {sb_Jn.shape}")
+  # A persistent grid: no more programs than output tiles.
+  num_sms = min(num_sms, (m // cta_m) * (n // cta_n))
   kernel = functools.partial(_kernel, kb=kb, bs=bs)
   return plgpu.kernel(
     kernel,

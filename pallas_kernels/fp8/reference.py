@@ -9,6 +9,8 @@ Shapes: `x_rc` the input, `v_rc` e4m3 values, `s_RC` block scales with
 `R = ceil(r / br)`, `C = ceil(c / bc)`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,6 +20,7 @@ from pallas_kernels.fp8 import format as fmt
 HIGHEST = lax.Precision.HIGHEST
 
 
+@functools.partial(jax.jit, static_argnames=("hb", "seed", "inverse"))
 def hadamard_apply(x_rc, hb: int, seed: int, *, inverse: bool = False):
   """`x` times `blockdiag(D H) / sqrt(hb)` along `c` (or its transpose)."""
   r, c = x_rc.shape
@@ -37,6 +40,9 @@ def _pad_to(x, rows: int, cols: int):
   return jnp.pad(x, ((0, rows - r), (0, cols - c)))
 
 
+@functools.partial(
+  jax.jit, static_argnames=("block", "hadamard", "hadamard_seed")
+)
 def quantize_reference(
   x_rc,
   *,
@@ -65,6 +71,7 @@ def quantize_reference(
   return q.reshape(rb * br, cb * bc)[:r, :c], scale
 
 
+@functools.partial(jax.jit, static_argnames=("block", "shape"))
 def expand_scales(s_RC, block, shape):
   """Block scales repeated to one per element, `[r, c]`."""
   br, bc = block
@@ -72,6 +79,16 @@ def expand_scales(s_RC, block, shape):
   return jnp.repeat(jnp.repeat(s_RC, br, axis=0), bc, axis=1)[:r, :c]
 
 
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "block",
+    "hadamard",
+    "hadamard_seed",
+    "undo_hadamard",
+    "dtype",
+  ),
+)
 def dequantize_reference(
   v_rc,
   s_RC,
@@ -89,6 +106,7 @@ def dequantize_reference(
   return x.astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("a_block", "b_block", "out_dtype"))
 def scaled_matmul_reference(
   a_mk, sa, a_block, b_nk, sb, b_block, *, out_dtype=jnp.float32
 ):

@@ -1,0 +1,472 @@
+"""FP8 block-scaled matmul (G4) against cuBLAS bf16 and XLA fp8, on one GPU.
+
+Run on the H200 from the repository root:
+
+  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/fp8_matmul.py [--out DIR]
+
+For M x K x N in {16384x4096x4096, 65536x2048x512, 65536x512x2048}:
+
+  forward   y = x w, x `[M, K]` bf16 activations quantized inside the timed
+            function, w `[K, N]` quantized once beforehand (once per step)
+  backward  dx, dw from dy `[M, N]` (the timed function is `jax.vjp`'s pull-
+            back with the forward DCE'd; ours re-quantizes x for its residual)
+
+Baselines in the same process: bf16 `jnp.dot` (cuBLAS), XLA fp8 with a plain
+cast of x, XLA fp8 with a per-tensor scale (amax, scale, cast in XLA), and
+XLA fp8 on inputs already in fp8 (the GEMM alone, an upper bound). Also the
+kernels alone (matmul on quantized inputs; quantize with and without
+Hadamard, as a fraction of the copy bandwidth measured here).
+
+Timing: each measurement is the median over 7 repeats of 10 back-to-back
+calls (inputs rotated between two sets), so launch gaps overlap; see
+`_time`.
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks import common
+from pallas_kernels import fp8
+from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import reference as ref
+
+NAME = "fp8_matmul"
+SHAPES = [(16384, 4096, 4096), (65536, 2048, 512), (65536, 512, 2048)]
+F8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+DN = (((1,), (0,)), ((), ()))
+GOAL_FWD, GOAL_BWD, GOAL_QUANT = 1.3, 1.5, 0.7
+QUICK = False  # --quick: the two formats' forward and one backward only
+OUT_DIR = None
+
+
+def _time(fn, arg_sets, reps: int = 7, inner: int = 10) -> float:
+  """Median seconds per call of `fn`, calls issued back to back."""
+  jax.block_until_ready(fn(*arg_sets[0]))
+  jax.block_until_ready(fn(*arg_sets[-1]))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(inner):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / inner)
+  return statistics.median(times)
+
+
+def _rel(a, b) -> float:
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+class Bench:
+  def __init__(self):
+    self.records = []
+    self.failures = []
+
+  def run(self, label, thunk):
+    """Run `thunk`, print and keep its failure instead of stopping."""
+    try:
+      return thunk()
+    except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+      msg = f"{label}: {type(e).__name__}: {str(e)[:1500]}"
+      print("FAILED", msg, flush=True)
+      traceback.print_exc(limit=4)
+      self.failures.append(msg)
+      return None
+
+  def add(self, *args, **kwargs):
+    r = common.record(NAME, *args, **kwargs)
+    self.records.append(r)
+    _save(self.records, OUT_DIR)
+    print(
+      f"  {r['case']:<28} {r['impl']:<34} {r['metric']:<12}"
+      f" {r['value']:10.4g}"
+      + (f"  x{r['ratio']:.3f} vs {r['baseline']}" if r["ratio"] else ""),
+      flush=True,
+    )
+
+
+def copy_bandwidth(b: Bench) -> float:
+  """Device copy bandwidth (bytes read + written), best of two XLA copies."""
+  best = 0.0
+  for dtype, op in (
+    (BF16, lambda v: v + BF16(1)),
+    (jnp.float32, lambda v: v * 2),
+  ):
+    size = (1 << (16 if jax.default_backend() == "cpu" else 28)) * (
+      4 // jnp.dtype(dtype).itemsize
+    )
+    x = [jax.random.normal(jax.random.key(i), (size,), dtype) for i in (0, 1)]
+    t = _time(jax.jit(op), [(v,) for v in x])
+    bw = 2 * x[0].nbytes / t
+    name = jnp.dtype(dtype).name
+    b.add(
+      f"copy {x[0].nbytes >> 20}MiB {name}",
+      "xla elementwise",
+      "TB/s",
+      bw / 1e12,
+    )
+    best = max(best, bw)
+    del x
+  return best
+
+
+def _inputs(m, k, n, seed):
+  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (m, k), BF16)
+  w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(BF16)
+  dy = jax.random.normal(kd, (m, n), BF16)
+  return x, w, dy
+
+
+def per_tensor_fp8(x, w8, sw):
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  sx = jnp.maximum(amax / 448.0, 1e-30)
+  x8 = (x.astype(jnp.float32) / sx).astype(F8)
+  y = jnp.dot(x8, w8, preferred_element_type=jnp.float32)
+  return (y * (sx * sw)).astype(BF16)
+
+
+def bench_shape(b: Bench, m, k, n, copy_bw):
+  case = f"{m}x{k}x{n}"
+  flops = 2 * m * k * n
+  sets = [_inputs(m, k, n, s) for s in (0, 1)]
+  print(f"== {case}", flush=True)
+
+  def tflops(t):
+    return flops / t / 1e12
+
+  # ---- forward baselines
+  bf16_fwd = jax.jit(lambda x, w: jnp.dot(x, w))
+  t_bf16 = _time(bf16_fwd, [(x, w) for x, w, _ in sets])
+  b.add(case, "xla bf16 (cuBLAS)", "fwd ms", t_bf16 * 1e3, lower_is_better=True)
+  b.add(case, "xla bf16 (cuBLAS)", "fwd TFLOP/s", tflops(t_bf16))
+  w8s = [(w.astype(F8), jnp.float32(1)) for _, w, _ in sets]
+
+  def base(label, fn, args):
+    t = b.run(label, lambda: _time(jax.jit(fn), args))
+    if t is not None:
+      b.add(
+        case,
+        label,
+        "fwd ms",
+        t * 1e3,
+        baseline="xla bf16 (cuBLAS)",
+        baseline_value=t_bf16 * 1e3,
+        lower_is_better=True,
+      )
+    return t
+
+  base(
+    "xla fp8 GEMM only (pre-cast)",
+    lambda x8, w8: jnp.dot(x8, w8, preferred_element_type=BF16),
+    [(x.astype(F8), w8) for (x, _, _), (w8, _) in zip(sets, w8s, strict=True)],
+  )
+  base(
+    "xla fp8 cast",
+    lambda x, w8: jnp.dot(x.astype(F8), w8, preferred_element_type=BF16),
+    [(x, w8) for (x, _, _), (w8, _) in zip(sets, w8s, strict=True)],
+  )
+  base(
+    "xla fp8 per-tensor scale",
+    per_tensor_fp8,
+    [(x, w8, sw) for (x, _, _), (w8, sw) in zip(sets, w8s, strict=True)],
+  )
+
+  # ---- backward baseline
+  def bf16_bwd(x, w, dy):
+    return jax.vjp(jnp.dot, x, w)[1](dy)
+
+  t_bf16_b = _time(jax.jit(bf16_bwd), sets)
+  b.add(
+    case, "xla bf16 (cuBLAS)", "bwd ms", t_bf16_b * 1e3, lower_is_better=True
+  )
+
+  # ---- ours
+  variants = [
+    ("mxfp8", None),
+    ("deepseek", None),
+    ("mxfp8", 32),
+    ("deepseek", 128),
+  ]
+  if QUICK:
+    variants = [("deepseek", None), ("mxfp8", None)]
+  for fmt_name, hb in variants:
+    label = f"ours {fmt_name}" + (f" H{hb}" if hb else "")
+
+    def fwd_case(fmt_name=fmt_name, hb=hb, label=label):
+      wqs = [
+        fp8.quantize(
+          w, axis=0, kind="weight", format=fmt_name, hadamard=hb
+        ).detach()
+        for _, w, _ in sets
+      ]
+      f = jax.jit(
+        lambda x, wq: fp8.fp8_dot_general(
+          x, wq, DN, format=fmt_name, hadamard=hb
+        )
+      )
+      # Correctness at this shape: against the XLA reference path.
+      x0 = sets[0][0]
+      got = f(x0, wqs[0])
+      want = fp8.fp8_dot_general(
+        x0, wqs[0], DN, format=fmt_name, hadamard=hb, implementation="xla"
+      )
+      exact = jnp.dot(
+        x0.astype(jnp.float32),
+        sets[0][1].astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+      )
+      b.add(case, label, "fwd err vs ref", _rel(got, want))
+      b.add(case, label, "fwd err vs f32", _rel(got, exact))
+      t = _time(f, [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)])
+      b.add(
+        case,
+        label,
+        "fwd ms",
+        t * 1e3,
+        baseline="xla bf16 (cuBLAS)",
+        baseline_value=t_bf16 * 1e3,
+        lower_is_better=True,
+      )
+      b.add(
+        case,
+        label,
+        "fwd speedup",
+        t_bf16 / t,
+        baseline="goal",
+        goal=GOAL_FWD,
+      )
+
+    b.run(f"{case} {label} fwd", fwd_case)
+
+  bwd_variants = [
+    ("mxfp8", None, False),
+    ("deepseek", None, False),
+    ("mxfp8", None, True),
+  ]
+  for fmt_name, hb, rhs_fp8 in bwd_variants[1:2] if QUICK else bwd_variants:
+    label = f"ours {fmt_name}" + (" dW fp8" if rhs_fp8 else " dW bf16")
+
+    def bwd_case(fmt_name=fmt_name, hb=hb, rhs_fp8=rhs_fp8, label=label):
+      def loss_vjp(x, wq, dy):
+        def f(x, wq):
+          return fp8.fp8_dot_general(
+            x, wq, DN, format=fmt_name, hadamard=hb, grad_rhs_fp8=rhs_fp8
+          )
+
+        _, pull = jax.vjp(f, x, wq)
+        dx, dwq = pull(dy)
+        return dx, dwq.source
+
+      g = jax.jit(loss_vjp)
+      # Weights quantized once per step, outside the timed function; their
+      # `source` receives the gradient.
+      qsets = [
+        (
+          x,
+          fp8.quantize(w, axis=0, kind="weight", format=fmt_name, hadamard=hb),
+          dy,
+        )
+        for x, w, dy in sets
+      ]
+      x0, w0, dy0 = sets[0]
+      dx, dw = g(*qsets[0])
+      rdx, rdw = bf16_bwd(
+        x0.astype(jnp.float32), w0.astype(jnp.float32), dy0.astype(jnp.float32)
+      )
+      b.add(case, label, "dx err vs f32", _rel(dx, rdx))
+      b.add(case, label, "dw err vs f32", _rel(dw, rdw))
+      t = _time(g, qsets)
+      b.add(
+        case,
+        label,
+        "bwd ms",
+        t * 1e3,
+        baseline="xla bf16 (cuBLAS)",
+        baseline_value=t_bf16_b * 1e3,
+        lower_is_better=True,
+      )
+      b.add(
+        case,
+        label,
+        "bwd speedup",
+        t_bf16_b / t,
+        baseline="goal",
+        goal=GOAL_BWD,
+      )
+
+    b.run(f"{case} {label} bwd", bwd_case)
+
+  if QUICK:
+    return
+  # ---- the kernels alone
+  for kb, ablk, bblk in [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]:
+
+    def kernel_case(kb=kb, ablk=ablk, bblk=bblk):
+      x, w, _ = sets[0]
+      av, as_ = ref.quantize_reference(x, block=ablk)
+      bv, bs_ = ref.quantize_reference(w.T, block=bblk)
+      sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
+      sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
+      f = functools.partial(matmul_mgpu.scaled_matmul_mgpu, kb=kb)
+      got = f(av, sa, bv, sb)
+      want = ref.scaled_matmul_reference(
+        av, as_, ablk, bv, bs_, bblk, out_dtype=BF16
+      )
+      b.add(case, f"kernel matmul kb={kb}", "err vs ref", _rel(got, want))
+      t = _time(f, [(av, sa, bv, sb)] * 2)
+      b.add(
+        case,
+        f"kernel matmul kb={kb}",
+        "TFLOP/s",
+        tflops(t),
+        baseline="xla bf16 (cuBLAS)",
+        baseline_value=tflops(t_bf16),
+      )
+
+    b.run(f"{case} kernel kb={kb}", kernel_case)
+
+  for block, hb in [((32, 32), None), ((32, 32), 32), ((1, 128), 128)]:
+    label = f"kernel quantize {block[0]}x{block[1]}" + (f" H{hb}" if hb else "")
+
+    def quant_case(block=block, hb=hb, label=label):
+      xs = [(s[0],) for s in sets]
+      f = jax.jit(
+        lambda x: quantize_mgpu.quantize_mgpu(x, block=block, hadamard=hb)
+      )
+      v, se = f(xs[0][0])
+      rv, rs = ref.quantize_reference(xs[0][0], block=block, hadamard=hb)
+      same_v = float(
+        jnp.mean((v.astype(jnp.float32) == rv.astype(jnp.float32)) * 1.0)
+      )
+      same_s = float(jnp.mean((se[:, :: block[0]].T == rs) * 1.0))
+      b.add(case, label, "values equal", same_v)
+      b.add(case, label, "scales equal", same_s)
+      t = _time(f, xs)
+      nbytes = 3 * m * k + 4 * m * (k // block[1])
+      b.add(
+        case,
+        label,
+        "TB/s",
+        nbytes / t / 1e12,
+        baseline="copy bandwidth",
+        baseline_value=copy_bw / 1e12,
+        goal=GOAL_QUANT,
+      )
+      fx = jax.jit(
+        lambda x: ref.quantize_reference(x, block=block, hadamard=hb)
+      )
+      tx = _time(fx, xs)
+      b.add(
+        case,
+        label.replace("kernel", "xla"),
+        "TB/s",
+        nbytes / tx / 1e12,
+        baseline="copy bandwidth",
+        baseline_value=copy_bw / 1e12,
+      )
+
+    b.run(f"{case} {label}", quant_case)
+
+
+def sweep(b: Bench):
+  """Tile configurations of the matmul kernel at 16384x4096x4096."""
+  m, k, n = SHAPES[0]
+  x, w, _ = _inputs(m, k, n, 0)
+  D = matmul_mgpu.Dim
+  configs = [
+    matmul_mgpu.BlockSizes(),
+    matmul_mgpu.BlockSizes(wg_dimension=D.N),
+    matmul_mgpu.BlockSizes(tile_m=128, tile_n=64, wg_dimension=D.N),
+    matmul_mgpu.BlockSizes(max_concurrent_steps=5, grid_tile_width=8),
+  ]
+  for kb, ablk, bblk in [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]:
+    av, as_ = ref.quantize_reference(x, block=ablk)
+    bv, bs_ = ref.quantize_reference(w.T, block=bblk)
+    sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
+    sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
+    for bs in configs:
+      label = (
+        f"kernel kb={kb} {bs.tile_m}x{bs.tile_n} wg={bs.wg_dimension.name}"
+        f" st={bs.max_concurrent_steps} gw={bs.grid_tile_width}"
+      )
+
+      def one(bs=bs, kb=kb, label=label, args=(av, sa, bv, sb)):
+        f = jax.jit(
+          functools.partial(
+            matmul_mgpu.scaled_matmul_mgpu, kb=kb, block_sizes=bs
+          )
+        )
+        t = _time(f, [args] * 2)
+        b.add(
+          "sweep 16384x4096x4096", label, "TFLOP/s", 2 * m * k * n / t / 1e12
+        )
+
+      b.run(label, one)
+
+
+def _save(records, out_dir):
+  """Keep what was measured so far (a run cut short still reports it)."""
+  if out_dir:
+    import json
+    import pathlib
+
+    path = pathlib.Path(out_dir) / f"{NAME}.partial.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default=None)
+  p.add_argument("--shapes", default="all")
+  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--max-seconds", type=float, default=1e9)
+  p.add_argument(
+    "--tiny", action="store_true", help="small shapes: a dry run of the script"
+  )
+  p.add_argument("--quick", action="store_true")
+  args = p.parse_args(argv)
+  global QUICK, OUT_DIR
+  QUICK, OUT_DIR = args.quick, args.out
+  print(jax.devices(), jax.__version__, flush=True)
+  b = Bench()
+  copy_bw = copy_bandwidth(b)
+  shapes = (
+    SHAPES
+    if args.shapes == "all"
+    else [SHAPES[int(i)] for i in args.shapes.split(",")]
+  )
+  if args.tiny:
+    shapes = [(256, 256, 256)]
+  t0 = time.perf_counter()
+  for m, k, n in shapes:
+    if time.perf_counter() - t0 > args.max_seconds:
+      print(f"time limit: skipping {m}x{k}x{n}", flush=True)
+      continue
+    bench_shape(b, m, k, n, copy_bw)
+    _save(b.records, args.out)
+  if not args.no_sweep and time.perf_counter() - t0 < args.max_seconds:
+    sweep(b)
+  common.write_results(NAME, b.records, out_dir=args.out)
+  if b.failures:
+    print(f"{len(b.failures)} failures:")
+    for f in b.failures:
+      print(" ", f[:300])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

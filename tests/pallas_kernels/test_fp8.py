@@ -1,0 +1,616 @@
+"""FP8 block-scaled quantize / dot_general (G4): numerics and kernels.
+
+Bounds used below (u = 2^-4 for round-to-nearest, 2^-3 for stochastic
+rounding; `s` the block scale; e4m3 subnormal step 2^-9):
+
+  |deq(x) - x| <= u |x| + d,   d = 2^-10 s (RN) or 2^-9 s (SR)
+
+and for a product of two quantized operands, summed over k,
+
+  |out - x.w| <= sum_k (u|x| + dx)((1 + u)|w| + dw) + |x|(u|w| + dw)
+                 + f32 summation (K 2^-24 sum |x||w|) + output rounding.
+
+CPU tests run the `jnp` reference and the Mosaic GPU kernels in GPU
+interpret mode at small shapes; `-m gpu` tests compile the kernels on the
+H200 at real shapes.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels import fp8
+from pallas_kernels.fp8 import format as fmt
+from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import op as fp8_op
+from pallas_kernels.fp8 import reference as ref
+
+DN = (((1,), (0,)), ((), ()))
+HI = lax.Precision.HIGHEST
+
+
+def _data(key, shape, dtype=jnp.float32, spread=2.0):
+  """Normal data whose magnitude varies by rows and columns (many scales)."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  x = jax.random.normal(k1, shape, jnp.float32)
+  rows = jnp.exp(spread * jax.random.normal(k2, shape[:-1] + (1,)))
+  cols = jnp.exp(spread * jax.random.normal(k3, (shape[-1],)))
+  return (x * rows * cols).astype(dtype)
+
+
+def _block_scales(s_RC, block, shape):
+  return np.asarray(ref.expand_scales(s_RC, block, shape))
+
+
+# ---------------------------------------------------------------------------
+# Format: scales and rounding.
+# ---------------------------------------------------------------------------
+
+
+def test_pow2_scale_is_the_smallest_power_of_two_that_fits():
+  rng = np.random.default_rng(0)
+  amax = np.concatenate(
+    [
+      np.exp(rng.uniform(-80, 80, 4000)).astype(np.float32),
+      np.float32([0.0, 448.0, 448.00003, 449.0, 1.0, 1.75, 1.7500001, 3.0e38]),
+    ]
+  )
+  s, inv = fmt.pow2_scale(jnp.asarray(amax))
+  s, inv = np.asarray(s, np.float64), np.asarray(inv, np.float64)
+  assert np.all(np.log2(s) == np.round(np.log2(s)))  # powers of two
+  np.testing.assert_array_equal(s * inv, 1.0)
+  assert np.all(amax / s <= 448.0)
+  tiny = s == 2.0**-126
+  assert np.all((amax / (s / 2) > 448.0) | tiny)  # and the smallest such
+
+
+def test_round_to_nearest_matches_ml_dtypes():
+  rng = np.random.default_rng(1)
+  y = np.concatenate(
+    [
+      rng.uniform(-448, 448, 20000),
+      rng.uniform(-(2**-5), 2**-5, 20000),  # e4m3 subnormals and their edge
+      np.exp(rng.uniform(-12, 6, 20000)) * rng.choice([-1, 1], 20000),
+      [0.0, 448.0, -448.0, 2**-6, 2**-9, 1.5 * 2**-9, 17.0, 18.0, 19.0],
+    ]
+  ).astype(np.float32)
+  got = np.asarray(fmt.round_e4m3(jnp.asarray(y)))
+  want = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  np.testing.assert_array_equal(got, want)
+  # and the result is exactly representable, so the final cast is exact
+  np.testing.assert_array_equal(
+    got.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), got
+  )
+
+
+def test_stochastic_rounding_lands_on_a_neighbour():
+  y = jnp.asarray(
+    np.random.default_rng(2).uniform(-448, 448, 4096), jnp.float32
+  )
+  bits = fmt.random_bits(fmt.hash32(jnp.int32(7)), jnp.arange(4096), 0, 1)
+  r = np.asarray(fmt.round_e4m3(y, bits))
+  lo = np.asarray(y).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  assert np.all(np.abs(r - np.asarray(y)) < 2 * np.abs(np.asarray(y)) / 8 + 1)
+  np.testing.assert_array_equal(
+    r.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), r
+  )
+  assert np.any(r != lo)  # it does not merely round to nearest
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize error bounds, per block.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (3, 5, 96), (0, 64)])
+@pytest.mark.parametrize("format", ["mxfp8", "deepseek"])
+@pytest.mark.parametrize("kind", ["activation", "weight"])
+def test_quantize_error_bound_per_block(shape, format, kind):
+  x = _data(jax.random.key(3), shape)
+
+  @jax.jit
+  def q(x):
+    t = fp8.quantize(x, format=format, kind=kind, implementation="xla")
+    return t, fp8.dequantize(t, jnp.float32)
+
+  t, deq = q(x)
+  assert t.values.dtype == jnp.float8_e4m3fn
+  br, bc = t.block
+  assert t.block == getattr(fmt.FORMATS[format], f"{kind}_block")
+  r, c = t.matrix_shape
+  assert t.scales.shape == (-(-r // br), -(-c // bc))
+  deq = np.asarray(deq).reshape(r, c)
+  xs = np.asarray(x).reshape(r, c)
+  s = _block_scales(t.scales, t.block, (r, c))
+  err = np.abs(deq - xs)
+  bound = fmt.RN_REL_ERR * np.abs(xs) + 0.5 * fmt.SUBNORMAL_STEP * s
+  assert np.all(err <= bound)
+  # Scales are as small as allowed: each block's maximum uses the top binade.
+  if r and c:
+    v = np.abs(np.asarray(t.values, np.float32)).reshape(r, c)
+    bmax = np.zeros(t.scales.shape)
+    np.maximum.at(bmax, (np.arange(r)[:, None] // br, np.arange(c) // bc), v)
+    amax = np.zeros(t.scales.shape)
+    np.maximum.at(
+      amax, (np.arange(r)[:, None] // br, np.arange(c) // bc), np.abs(xs)
+    )
+    nonzero = amax > 0
+    assert np.all(bmax[nonzero] > 448 / 2 - 16)  # RN may round 224+ down
+
+
+def test_quantize_along_an_inner_axis_keeps_the_logical_layout():
+  w = _data(jax.random.key(4), (96, 5, 64))
+  t = fp8.quantize(w, axis=0, kind="weight", implementation="xla")
+  assert t.values.shape == (5, 64, 96) and t.shape == w.shape
+  deq = fp8.dequantize(t, jnp.float32)
+  assert deq.shape == w.shape
+  rel = jnp.linalg.norm(deq - w) / jnp.linalg.norm(w)
+  assert rel < 2 * fmt.RN_REL_ERR / np.sqrt(3)
+
+
+# ---------------------------------------------------------------------------
+# Hadamard transform.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hb", [2, 32, 128])
+def test_hadamard_is_orthogonal_and_undone_exactly(hb):
+  m = fmt.hadamard_signed(hb, 5).astype(np.float64) / np.sqrt(hb)
+  np.testing.assert_allclose(m @ m.T, np.eye(hb), atol=1e-12)
+  x = _data(jax.random.key(6), (8, 4 * hb))
+  y = ref.hadamard_apply(x, hb, 5)
+  back = ref.hadamard_apply(y, hb, 5, inverse=True)
+  np.testing.assert_allclose(
+    back, x, rtol=2e-6, atol=1e-6 * float(jnp.max(jnp.abs(x)))
+  )
+  # (X M)(W^T M)^T = X W
+  w = _data(jax.random.key(7), (4 * hb, 16))
+  lhs = jnp.dot(y, ref.hadamard_apply(w.T, hb, 5).T, precision=HI)
+  np.testing.assert_allclose(
+    lhs,
+    jnp.dot(x, w, precision=HI),
+    rtol=1e-4,
+    atol=1e-4
+    * float(jnp.max(jnp.abs(jnp.dot(jnp.abs(x), jnp.abs(w), precision=HI)))),
+  )
+  # the random signs differ between seeds
+  assert (
+    not np.array_equal(fmt.hadamard_signed(hb, 5), fmt.hadamard_signed(hb, 6))
+    or hb == 2
+  )
+
+
+def test_hadamard_spreads_an_outlier():
+  x = jnp.zeros((32, 128)).at[:, 3].set(100.0) + _data(
+    jax.random.key(8), (32, 128), spread=0.1
+  )
+  plain = fp8.quantize(x, implementation="xla")
+  rot = fp8.quantize(x, hadamard=128, implementation="xla")
+  err = lambda t: float(jnp.linalg.norm(fp8.dequantize(t, jnp.float32) - x))
+  assert err(rot) < err(plain)
+
+
+def test_dequantize_with_hadamard_error_bound():
+  x = _data(jax.random.key(9), (64, 256))
+  t = fp8.quantize(x, hadamard=64, implementation="xla")
+  xh = ref.hadamard_apply(x, 64, 0)
+  s = _block_scales(t.scales, t.block, (64, 256))
+  # The error is bounded in the rotated domain; M is orthogonal, so the
+  # Frobenius norm of the error is the same in the original one.
+  bound = fmt.RN_REL_ERR * np.abs(np.asarray(xh)) + 2.0**-10 * s
+  err = np.asarray(fp8.dequantize(t, jnp.float32) - x)
+  assert np.linalg.norm(err) <= np.linalg.norm(bound) * (1 + 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Stochastic rounding.
+# ---------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased():
+  """Mean error over N keys -> 0 like 1/sqrt(N) (Hoeffding, cannot flake).
+
+  Each sample error e lies in (-ulp, ulp) with E[e] = 0, so
+  P(|mean_N e| >= c ulp / sqrt(N)) <= 2 exp(-c^2 / 2): 1e-14 for c = 8, per
+  element. The keys are fixed, so the test is also deterministic.
+  Round-to-nearest, by contrast, keeps a bias that does not shrink.
+  """
+  x = _data(jax.random.key(10), (32, 32), spread=0.5)
+  _, s = ref.quantize_reference(x, block=(32, 32))
+  y = np.asarray(x, np.float64) / float(s[0, 0])  # in units of the scale
+  # e4m3 step at each value (normal range; subnormals: 2^-9)
+  e = np.floor(np.log2(np.maximum(np.abs(y), 2.0**-6)))
+  ulp = 2.0 ** (e - 3)
+  keys = jax.random.split(jax.random.key(11), 4096)
+
+  def one(key):
+    v, _ = ref.quantize_reference(
+      x, block=(32, 32), seed_hash=fmt.seed_hash_from_key(key)
+    )
+    return v.astype(jnp.float32)
+
+  samples = np.asarray(jax.lax.map(one, keys, batch_size=256), np.float64)
+  errs = samples - y[None]
+  assert np.all(np.abs(errs) < ulp[None])
+  for n in (64, 4096):
+    mean = errs[:n].mean(0)
+    assert np.all(np.abs(mean) <= 8 * ulp / np.sqrt(n)), n
+  rn = np.asarray(ref.quantize_reference(x, block=(32, 32))[0], np.float64)
+  rn_bias = np.abs(rn - y)
+  # RN is biased: for many elements its error is far above the SR bound.
+  assert np.mean(rn_bias > 8 * ulp / np.sqrt(4096)) > 0.5
+  assert np.abs(errs.mean(0)).mean() < 0.1 * rn_bias.mean()
+
+
+def test_quantize_with_key_uses_stochastic_rounding():
+  x = _data(jax.random.key(12), (64, 64))
+  a = fp8.quantize(x, key=jax.random.key(0), implementation="xla")
+  b = fp8.quantize(x, key=jax.random.key(1), implementation="xla")
+  c = fp8.quantize(x, key=jax.random.key(0), implementation="xla")
+  assert not np.array_equal(a.values, b.values)
+  np.testing.assert_array_equal(a.values, c.values)
+  s = _block_scales(a.scales, a.block, (64, 64))
+  err = np.abs(np.asarray(fp8.dequantize(a, jnp.float32) - x))
+  bound = fmt.SR_REL_ERR * np.abs(np.asarray(x)) + fmt.SUBNORMAL_STEP * s
+  assert np.all(err <= bound)
+
+
+# ---------------------------------------------------------------------------
+# fp8_dot_general: values and gradients against f32.
+# ---------------------------------------------------------------------------
+
+
+def _product_bound(x, w, xq, wq, u=fmt.RN_REL_ERR):
+  """Elementwise bound on |deq(x) deq(w) - x w| (module docstring)."""
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  dx = 2.0**-10 * np.asarray(
+    ref.expand_scales(xq.scales, xq.block, x.shape), np.float64
+  )
+  # `wq` is quantized along axis 0: its matrix view is w^T.
+  dw = (
+    2.0**-10
+    * np.asarray(
+      ref.expand_scales(wq.scales, wq.block, w.T.shape), np.float64
+    ).T
+  )
+  ax, aw = np.abs(x), np.abs(w)
+  bound = (u * ax + dx) @ ((1 + u) * aw + dw) + ax @ (u * aw + dw)
+  k = x.shape[1]
+  return bound + (k * 2.0**-24 + 2.0**-23) * (ax @ aw)
+
+
+@pytest.mark.parametrize(
+  "m,k,n", [(1, 32, 8), (37, 70, 5), (64, 128, 96), (5, 1, 3), (0, 64, 16)]
+)
+@pytest.mark.parametrize("format", ["mxfp8", "deepseek"])
+def test_dot_value_error_bound(m, k, n, format):
+  x = _data(jax.random.key(13), (m, k))
+  w = _data(jax.random.key(14), (k, n))
+  out = jax.jit(
+    functools.partial(
+      fp8.fp8_dot_general,
+      dimension_numbers=DN,
+      preferred_element_type=jnp.float32,
+      format=format,
+      implementation="xla",
+    )
+  )(x, w)
+  assert out.shape == (m, n) and out.dtype == jnp.float32
+  xq = fp8.quantize(x, format=format, implementation="xla")
+  wq = fp8.quantize(
+    w, axis=0, kind="weight", format=format, implementation="xla"
+  )
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  err = np.abs(np.asarray(out, np.float64) - exact)
+  assert np.all(err <= _product_bound(x, w, xq, wq))
+
+
+def test_dot_typical_relative_error_and_dtype():
+  x = _data(jax.random.key(15), (128, 256), jnp.bfloat16, spread=0.5)
+  w = _data(jax.random.key(16), (256, 64), jnp.bfloat16, spread=0.5)
+  out = fp8.fp8_dot_general(x, w, DN, implementation="xla")
+  assert out.dtype == jnp.bfloat16
+  exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=HI)
+  rel = jnp.linalg.norm(out.astype(jnp.float32) - exact) / jnp.linalg.norm(
+    exact
+  )
+  assert rel < 0.05  # about 2 u / sqrt(3) = 3.6% for RN, plus bf16 output
+
+
+def _grads(f, x, w, g):
+  @jax.jit
+  def run(x, w, g):
+    out, pull = jax.vjp(f, x, w)
+    return out, pull(g)
+
+  return run(x, w, g)
+
+
+@pytest.mark.parametrize("format", ["mxfp8", "deepseek"])
+@pytest.mark.parametrize("grad_rhs_fp8", [False, True])
+@pytest.mark.parametrize("hadamard", [None, 32])
+def test_dot_gradients(format, grad_rhs_fp8, hadamard):
+  m, k, n = 48, 128, 40
+  x = _data(jax.random.key(17), (m, k))
+  w = _data(jax.random.key(18), (k, n))
+  g = _data(jax.random.key(19), (m, n))
+  kw = dict(format=format, hadamard=hadamard, implementation="xla")
+  f = functools.partial(
+    fp8.fp8_dot_general,
+    dimension_numbers=DN,
+    grad_rhs_fp8=grad_rhs_fp8,
+    preferred_element_type=jnp.float32,
+    **kw,
+  )
+  _, (dx, dw) = _grads(f, x, w, g)
+  # What the backward computes, from the definitions (straight-through):
+  xq = fp8.quantize(x, **kw)
+  wq = fp8.quantize(w, axis=0, kind="weight", **kw)
+  gq = fp8.quantize(g, **kw | dict(hadamard=None))
+  w_h = ref.dequantize_reference(
+    wq.values, wq.scales, block=wq.block, undo_hadamard=False
+  )  # [n, k] in the rotated domain
+  x_h = ref.dequantize_reference(
+    xq.values, xq.scales, block=xq.block, undo_hadamard=False
+  )
+  g_d = fp8.dequantize(gq, jnp.float32)
+  dx_want = jnp.dot(g_d, w_h, precision=HI)
+  if hadamard:
+    dx_want = ref.hadamard_apply(dx_want, hadamard, 0, inverse=True)
+  np.testing.assert_allclose(
+    dx, dx_want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(dx_want)))
+  )
+  # And against the exact f32 gradients: the FP8 error, in norm.
+  dx_exact = jnp.dot(g, w.T, precision=HI)
+  dw_exact = jnp.dot(x.T, g, precision=HI)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(dx, dx_exact) < 2.5 * fmt.RN_REL_ERR
+  assert rel(dw, dw_exact) < 2.5 * fmt.RN_REL_ERR
+  if not grad_rhs_fp8:
+    # BF16 weight gradient: g (as bf16) times the dequantized x.
+    dw_want = jnp.dot(
+      g.astype(jnp.bfloat16).astype(jnp.float32).T, x_h, precision=HI
+    )  # [n, k], rotated along k
+    if hadamard:
+      dw_want = ref.hadamard_apply(dw_want, hadamard, 0, inverse=True)
+    dw_want = dw_want.T
+    np.testing.assert_allclose(
+      dw, dw_want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(dw_want)))
+    )
+    assert rel(dw, dw_exact) < rel(dx, dx_exact)
+
+
+def test_prequantized_weight_routes_its_gradient_to_the_source():
+  x = _data(jax.random.key(20), (32, 64))
+  w = _data(jax.random.key(21), (64, 16))
+  g = _data(jax.random.key(22), (32, 16))
+  raw = lambda x, w: fp8.fp8_dot_general(x, w, DN, implementation="xla")
+
+  def pre(x, w):
+    wq = fp8.quantize(w, axis=0, kind="weight", implementation="xla")
+    return fp8.fp8_dot_general(x, wq, DN, implementation="xla")
+
+  out1, (dx1, dw1) = _grads(raw, x, w, g)
+  out2, (dx2, dw2) = _grads(pre, x, w, g)
+  np.testing.assert_array_equal(out1, out2)
+  np.testing.assert_array_equal(dx1, dx2)
+  np.testing.assert_array_equal(dw1, dw2)
+  # a detached tensor gives no gradient path, but still computes
+  wq = fp8.quantize(w, axis=0, kind="weight", implementation="xla").detach()
+  out3, pull = jax.vjp(
+    lambda x: fp8.fp8_dot_general(x, wq, DN, implementation="xla"), x
+  )
+  np.testing.assert_array_equal(out3, out1)
+  np.testing.assert_array_equal(pull(g)[0], dx1)
+
+
+def test_dot_general_dimension_numbers_match_lax():
+  rng = jax.random.split(jax.random.key(23), 6)
+  cases = [
+    # dense: [b, t, d] x [d, f]
+    ((2, 3, 64), (64, 24), (((2,), (0,)), ((), ()))),
+    # einsum 'btd,dhk->bthk'
+    ((2, 3, 64), (64, 4, 8), (((2,), (0,)), ((), ()))),
+    # contraction on the lhs's first axis, rhs's last: 'dm,nd->mn'
+    ((64, 10), (12, 64), (((0,), (1,)), ((), ()))),
+    # experts: 'ebd,edf->ebf'
+    ((3, 16, 64), (3, 64, 20), (((2,), (1,)), ((0,), (0,)))),
+    # batch dims not in front: 'bde,edf->ebf'... as 'bed,edf' -> e,b,f
+    ((5, 3, 64), (3, 64, 20), (((2,), (1,)), ((1,), (0,)))),
+  ]
+  for i, (ls, rs, dn) in enumerate(cases):
+    x = _data(rng[i], ls)
+    w = _data(rng[5], rs)
+    got = jax.jit(
+      functools.partial(
+        fp8.fp8_dot_general,
+        dimension_numbers=dn,
+        preferred_element_type=jnp.float32,
+        implementation="xla",
+      )
+    )(x, w)
+    want = lax.dot_general(x, w, dn, precision=HI)
+    assert got.shape == want.shape, (i, got.shape, want.shape)
+    rel = jnp.linalg.norm(got - want) / jnp.linalg.norm(want)
+    assert rel < 2 * fmt.RN_REL_ERR, (i, rel)
+
+
+def test_jit_vmap_grad_compose():
+  x = _data(jax.random.key(24), (4, 16, 64))
+  w = _data(jax.random.key(25), (64, 32))
+
+  def f(x, w):
+    return fp8.fp8_dot_general(
+      x, w, DN, preferred_element_type=jnp.float32, implementation="xla"
+    )
+
+  loss = lambda x, w: jnp.sum(jax.vmap(f, in_axes=(0, None))(x, w) ** 2)
+  g_vmap = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+  # The same as an explicit loop (blocks never straddle batch entries: 16
+  # rows = half a 32-row block per entry, padded per entry).
+  loop = lambda x, w: sum(jnp.sum(f(x[i], w) ** 2) for i in range(4))
+  g_loop = jax.grad(loop, argnums=(0, 1))(x, w)
+  for a, b in zip(g_vmap, g_loop, strict=True):
+    np.testing.assert_allclose(
+      a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b)))
+    )
+
+
+def test_errors():
+  x = _data(jax.random.key(26), (8, 64))
+  w = _data(jax.random.key(27), (64, 8))
+  wq = fp8.quantize(w, axis=0, kind="weight", hadamard=32, implementation="xla")
+  with pytest.raises(ValueError, match="Hadamard"):
+    fp8.fp8_dot_general(x, wq, DN, implementation="xla")
+  wq1 = fp8.quantize(w, axis=1, implementation="xla")
+  with pytest.raises(ValueError, match="quantized along axis 1"):
+    fp8.fp8_dot_general(x, wq1, DN, implementation="xla")
+  with pytest.raises(ValueError, match="unknown fp8 format"):
+    fp8.quantize(x, format="mx6")
+  with pytest.raises(ValueError, match="must divide"):
+    fp8.quantize(x[:, :48], hadamard=32, implementation="xla")
+  with pytest.raises(NotImplementedError, match="one contracting"):
+    fp8.fp8_dot_general(x, x, (((0, 1), (0, 1)), ((), ())))
+
+
+# ---------------------------------------------------------------------------
+# The Mosaic GPU kernels in GPU interpret mode, against the reference.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "block,hb,sr,num_sms",
+  [
+    ((32, 32), None, False, 132),
+    ((32, 32), 32, True, 1),  # one program walks a 3-step pipeline
+    ((1, 128), 128, True, 132),
+  ],
+)
+def test_quantize_kernel_interpret_equals_reference(block, hb, sr, num_sms):
+  x = _data(jax.random.key(28), (192, 128), jnp.bfloat16)
+  seed = fmt.hash32(jnp.int32(99)) if sr else None
+  v, se = quantize_mgpu.quantize_mgpu(
+    x, seed, block=block, hadamard=hb, sr=sr, interpret=True, num_sms=num_sms
+  )
+  rv, rs = ref.quantize_reference(x, block=block, hadamard=hb, seed_hash=seed)
+  np.testing.assert_array_equal(se[:, :: block[0]].T, rs)
+  if hb is None:
+    np.testing.assert_array_equal(v.astype(jnp.float32), rv.astype(jnp.float32))
+  else:
+    # Hadamard sums may differ in order: at most one e4m3 step apart.
+    d = np.abs(np.asarray(v, np.float32) - np.asarray(rv, np.float32))
+    step = 2.0 ** (
+      np.floor(np.log2(np.maximum(np.abs(np.asarray(rv, np.float32)), 2.0**-6)))
+      - 3
+    )
+    assert np.all(d <= step) and np.mean(d == 0) > 0.999
+
+
+@pytest.mark.parametrize(
+  "kb,ablk,bblk", [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]
+)
+def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk):
+  m, n, k = 128, 256, 256
+  a = _data(jax.random.key(29), (m, k))
+  b = _data(jax.random.key(30), (n, k))
+  av, as_ = ref.quantize_reference(a, block=ablk)
+  bv, bs_ = ref.quantize_reference(b, block=bblk)
+  out = matmul_mgpu.scaled_matmul_mgpu(
+    av,
+    jnp.repeat(as_.T, ablk[0], axis=1)[:, :m],
+    bv,
+    jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
+    kb=kb,
+    out_dtype=jnp.float32,
+    interpret=True,
+    num_sms=2,  # persistent programs walk several output tiles
+  )
+  want = ref.scaled_matmul_reference(av, as_, ablk, bv, bs_, bblk)
+  np.testing.assert_allclose(
+    out, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
+  )
+
+
+def test_op_mosaic_interpret_equals_xla():
+  x = _data(jax.random.key(31), (70, 128), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(32), (128, 100), jnp.bfloat16, spread=1.0)
+  g = _data(jax.random.key(33), (70, 100), jnp.bfloat16, spread=1.0)
+  res = {}
+  for impl in ("xla", "mosaic"):
+    f = functools.partial(
+      fp8.fp8_dot_general,
+      dimension_numbers=DN,
+      key=jax.random.key(3),
+      implementation=impl,
+    )
+    res[impl] = _grads(f, x, w, g)
+  (o1, (dx1, dw1)), (o2, (dx2, dw2)) = res["xla"], res["mosaic"]
+  for a, b in ((o1, o2), (dx1, dx2), (dw1, dw2)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+# ---------------------------------------------------------------------------
+# On the H200: real compilation, real shapes.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "block,hb,sr",
+  [((32, 32), None, False), ((32, 32), 32, True), ((1, 128), 128, False)],
+)
+def test_gpu_quantize_kernel(block, hb, sr):
+  x = _data(jax.random.key(34), (8192, 2048), jnp.bfloat16)
+  seed = fmt.hash32(jnp.int32(5)) if sr else None
+  v, se = quantize_mgpu.quantize_mgpu(x, seed, block=block, hadamard=hb, sr=sr)
+  rv, rs = ref.quantize_reference(x, block=block, hadamard=hb, seed_hash=seed)
+  assert float(jnp.mean(se[:, :: block[0]].T == rs)) > 0.9999
+  d = jnp.abs(v.astype(jnp.float32) - rv.astype(jnp.float32))
+  assert float(jnp.mean(d == 0)) > 0.999
+  if hb is None:
+    assert float(jnp.max(d)) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format", ["mxfp8", "deepseek"])
+@pytest.mark.parametrize("m,k,n", [(4096, 2048, 1024), (8192, 512, 2048)])
+def test_gpu_dot_general_matches_reference(format, m, k, n):
+  x = _data(jax.random.key(35), (m, k), jnp.bfloat16, spread=0.5)
+  w = _data(jax.random.key(36), (k, n), jnp.bfloat16, spread=0.5)
+  g = _data(jax.random.key(37), (m, n), jnp.bfloat16, spread=0.5)
+  res = {}
+  for impl in ("xla", "mosaic"):
+    f = jax.jit(
+      functools.partial(
+        fp8.fp8_dot_general,
+        dimension_numbers=DN,
+        format=format,
+        implementation=impl,
+      )
+    )
+    res[impl] = _grads(f, x, w, g)
+  rel = lambda a, b: float(
+    jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
+    / jnp.linalg.norm(b.astype(jnp.float32))
+  )
+  (o1, (dx1, dw1)), (o2, (dx2, dw2)) = res["xla"], res["mosaic"]
+  assert rel(o2, o1) < 1e-2 and rel(dx2, dx1) < 1e-2 and rel(dw2, dw1) < 1e-2
+  exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert rel(o2, exact) < 0.05
+
+
+def test_dispatch_picks_xla_on_cpu():
+  assert (
+    fp8_op._pick(None)
+    is fp8_op.IMPLEMENTATIONS[
+      "mosaic" if jax.default_backend() == "gpu" else "xla"
+    ]
+  )
+  with pytest.raises(ValueError, match="unknown implementation"):
+    fp8_op._pick("triton")
