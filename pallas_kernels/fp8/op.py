@@ -144,6 +144,9 @@ def _quantize_2d_mosaic(x_rc, block, hadamard, hadamard_seed, seed_hash):
     or hadamard not in quantize_mgpu.SUPPORTED_HADAMARD
     or r == 0
     or c == 0
+    # The kernel reads bf16; other inputs would be rounded to bf16 first and
+    # so differ from the reference.
+    or x_rc.dtype != jnp.bfloat16
   ):
     return _quantize_2d_xla(x_rc, block, hadamard, hadamard_seed, seed_hash)
   sr = seed_hash is not None

@@ -550,9 +550,42 @@ def test_op_mosaic_interpret_equals_xla():
     )
     res[impl] = _grads(f, x, w, g)
   (o1, (dx1, dw1)), (o2, (dx2, dw2)) = res["xla"], res["mosaic"]
+  # Same quantized operands (bit-exact kernels); bf16 results whose f32 sums
+  # differ only in order: a bf16 step (2^-8 relative) apart at most.
   for a, b in ((o1, o2), (dx1, dx2), (dw1, dw2)):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+def test_op_mosaic_interpret_under_vmap_and_grad():
+  """The kernels' batching rules: fold into rows, or loop (batched rhs)."""
+  bf = jnp.bfloat16  # the quantize kernel's input type
+  x = _data(jax.random.key(38), (2, 32, 128), bf, spread=1.0)
+  w = _data(jax.random.key(39), (128, 64), bf, spread=1.0)
+  ws = _data(jax.random.key(40), (2, 128, 64), bf, spread=1.0)
+
+  def loss(impl, x, w, w_axis):
+    f = functools.partial(
+      fp8.fp8_dot_general,
+      dimension_numbers=DN,
+      preferred_element_type=jnp.float32,
+      format="mxfp8",
+      implementation=impl,
+    )
+    return jnp.sum(jax.vmap(f, in_axes=(0, w_axis))(x, w) ** 2)
+
+  for w_, w_axis in ((w, None), (ws, 0)):
+    got = jax.grad(functools.partial(loss, "mosaic", w_axis=w_axis), (0, 1))(
+      x, w_
+    )
+    want = jax.grad(functools.partial(loss, "xla", w_axis=w_axis), (0, 1))(
+      x, w_
+    )
+    for a, b in zip(got, want, strict=True):
+      # bf16 gradients whose f32 sums differ only in order: a bf16 step
+      # (2^-8 relative) apart at most, hence 1e-2.
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
 
 
 # ---------------------------------------------------------------------------
