@@ -16,7 +16,7 @@ in `shard_map`; on every device:
    gather of the requested rows, an all-to-all of `[n, k, e]` rows back;
 4. overflow: a bucket with more than `k` ids is served by further passes
    (pass `p` carries bucket slots `p*k ... p*k+k-1`); the pass count is the
-   group's maximum (`pmax`), so every member runs the same collectives. No
+   group's maximum (`pmax`), so all members run the same collectives. No
    id is ever dropped; a skewed batch costs extra passes, not accuracy;
 5. un-dedup: each id reads its unique id's row.
 
@@ -31,12 +31,16 @@ Generations (see `sharding.rules`):
 - gen 2, each group (`cluster` index) holds a full copy split over
   (`zone`, `node`); the exchange stays inside the group; gradients are
   all-reduced over `cluster` (the groups are data-parallel);
-- gen 3, stored as gen 2, but the exchange group is `zone` only (the same
-  GPU of every host): before the lookup an all-gather over `node` (NVLink)
-  re-assembles the host's block of rows, and after it the block's gradient
-  is reduce-scattered over `node`. The all-to-all has `node` times fewer
-  peers with `node` times larger messages, and the extra traffic stays on
-  NVLink.
+- gen 3, stored as gen 2, but the exchange group is `zone` only (GPU `j`
+  of every host): an id goes to its owner *host*, whose block of rows is
+  split over its `node` GPUs. There the requests one GPU received are
+  all-gathered over `node` (NVLink), every GPU of the host looks up the ids
+  in its own slice (zero rows elsewhere), and a reduce-scatter over `node`
+  returns each GPU the rows of its requests. The backward all-gathers the
+  row gradients over `node` and each GPU adds the ones of its slice. The
+  all-to-all has `node` times fewer peers with `node` times larger
+  messages (same bytes per GPU), and the extra traffic, about `node - 1`
+  times the exchanged rows, runs on NVLink.
 
 A table whose rows the tiers do not divide is replicated (the rule table's
 fallback) and looked up locally with `jnp.take`.
@@ -65,7 +69,7 @@ class TableLayout:
 
   rows: tuple[str, ...]  # mesh axes splitting rows at rest (major first)
   exchange: tuple[str, ...]  # all-to-all group: a major prefix of `rows`
-  gather: tuple[str, ...]  # rows minus exchange: all-gathered for a lookup
+  gather: tuple[str, ...]  # rows minus exchange: requests gathered over it
   copies: tuple[str, ...]  # tiers holding full copies: gradients summed
 
   @property
@@ -217,19 +221,20 @@ def _forward(plan, table_ve, ids):
 
   def body(table_loc, *ids_loc):
     flat = jnp.concatenate([i.reshape(-1) for i in ids_loc])  # [m]
-    block = table_loc
-    if plan.layout.gather:  # gen 3: the host's rows, over NVLink
-      block = jax.lax.all_gather(
-        table_loc, plan.layout.gather, axis=0, tiled=True
-      )
-    ex = _Exchange(plan, flat, block.shape[0])
-    out_u = jnp.zeros((ex.m, block.shape[1]), block.dtype)
+    sub = table_loc.shape[0]  # my rows; the exchange index owns g * sub
+    g = plan.size(plan.layout.gather)
+    ex = _Exchange(plan, flat, sub * g)
+    out_u = jnp.zeros((ex.m, table_loc.shape[1]), table_loc.dtype)
 
     def one_pass(p, out_u):
       send, dest = ex.slots(p)
-      recv = ex.all_to_all(send)  # [n*k] local row ids asked of me
-      got = jnp.take(block, jnp.maximum(recv, 0), axis=0)
-      got = jnp.where((recv >= 0)[:, None], got, 0)
+      recv = ex.all_to_all(send)  # [n*k] row ids (in my host's block)
+      if g == 1:
+        got = _take_rows(table_loc, recv, 0)
+      else:  # gen 3: the host's requests, served by the slice owners
+        reqs = jax.lax.all_gather(recv, plan.layout.gather)  # [g, n*k]
+        got = _take_rows(table_loc, reqs, _index(plan) * sub)
+        got = jax.lax.psum_scatter(got, plan.layout.gather)  # [n*k, e]
       back = ex.all_to_all(got)  # [n*k, e] the rows I asked for
       return out_u.at[dest].set(back, mode="drop")
 
@@ -249,33 +254,30 @@ def _forward(plan, table_ve, ids):
 
 def _backward(plan, ids, g_rows):
   batch = _spec(plan.batch)
-  n_rows = plan.size(plan.layout.rows)
-  n_exchange = plan.size(plan.layout.exchange)
-  block_rows = plan.num_rows // n_exchange
+  g = plan.size(plan.layout.gather)
+  sub = plan.num_rows // plan.size(plan.layout.rows)  # rows per device
   e = g_rows[0].shape[-1]
 
   def body(*args):
     ids_loc, g_loc = args[: len(ids)], args[len(ids) :]
     flat = jnp.concatenate([i.reshape(-1) for i in ids_loc])
-    g_flat = jnp.concatenate([g.reshape(-1, e) for g in g_loc])  # [m, e]
-    ex = _Exchange(plan, flat, block_rows)
+    g_flat = jnp.concatenate([x.reshape(-1, e) for x in g_loc])  # [m, e]
+    ex = _Exchange(plan, flat, sub * g)
     g_flat = jnp.where(ex.valid[:, None], g_flat, 0).astype(jnp.float32)
     g_u = jax.ops.segment_sum(g_flat, ex.inverse, num_segments=ex.m)
 
-    def one_pass(p, grad_block):
+    def one_pass(p, grad_loc):
       send, _ = ex.slots(p)
-      src = ex.take_slots(g_u, p)  # [n*k, e]
-      recv = ex.all_to_all(send)
-      recv_g = ex.all_to_all(src)
-      where = jnp.where(recv >= 0, recv, block_rows)
-      return grad_block.at[where].add(recv_g, mode="drop")
+      recv = ex.all_to_all(send)  # [n*k] row ids sent to my host
+      recv_g = ex.all_to_all(ex.take_slots(g_u, p))  # [n*k, e]
+      if g > 1:  # gen 3: every GPU of the host sees the host's gradients
+        recv = jax.lax.all_gather(recv, plan.layout.gather, tiled=True)
+        recv_g = jax.lax.all_gather(recv_g, plan.layout.gather, tiled=True)
+        recv = recv - _index(plan) * sub
+      where = jnp.where((recv >= 0) & (recv < sub), recv, sub)
+      return grad_loc.at[where].add(recv_g, mode="drop")
 
-    grad_block = ex.loop(one_pass, jnp.zeros((block_rows, e), jnp.float32))
-    grad = grad_block
-    if plan.layout.gather:  # gen 3: back to each GPU's slice, over NVLink
-      grad = jax.lax.psum_scatter(
-        grad, plan.layout.gather, scatter_dimension=0, tiled=True
-      )
+    grad = ex.loop(one_pass, jnp.zeros((sub, e), jnp.float32))
     if plan.layout.copies:  # gen 2/3: the groups are data-parallel
       grad = jax.lax.psum(grad, plan.layout.copies)
     return grad
@@ -287,8 +289,24 @@ def _backward(plan, ids, g_rows):
     out_specs=_spec(plan.layout.rows),
     check_vma=False,
   )(*ids, *g_rows)
-  assert grad.shape == (plan.num_rows, e), (grad.shape, n_rows)
+  assert grad.shape == (plan.num_rows, e), grad.shape
   return grad.astype(g_rows[0].dtype)
+
+
+def _take_rows(table_loc, ids, first):
+  """Rows `ids - first` of my slice, zero for ids outside it (or -1)."""
+  local = ids - first
+  ok = (ids >= 0) & (local >= 0) & (local < table_loc.shape[0])
+  got = jnp.take(table_loc, jnp.where(ok, local, 0), axis=0)
+  return jnp.where(ok[..., None], got, 0)
+
+
+def _index(plan) -> jax.Array:
+  """My position along the gather tiers (major first), as in the rows."""
+  i = 0
+  for a in plan.layout.gather:
+    i = i * plan.mesh.shape[a] + jax.lax.axis_index(a)
+  return i
 
 
 class _Exchange:
@@ -310,7 +328,10 @@ class _Exchange:
     self.start = jnp.cumsum(self.counts) - self.counts  # sorted: contiguous
     self.block_rows = block_rows
     local = (jnp.max(self.counts) + k - 1) // k
-    self.passes = jax.lax.pmax(local, self.axes) if n > 1 else local
+    # Every device that meets in a collective of a pass runs the same
+    # passes: the exchange group and (gen 3) the host's gather group.
+    group = self.axes + plan.layout.gather
+    self.passes = jax.lax.pmax(local, group) if group else local
 
   def _pos(self, p):
     j = p * self.k + jnp.arange(self.k)  # [k] slot within a bucket
