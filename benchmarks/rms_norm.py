@@ -15,7 +15,7 @@ Also timed, to show where the time goes: the same pipeline moving tiles
 without computing ("copy through SMEM"), the forward without residual or
 gamma, the backward without dgamma, and a few tile settings.
 
-  PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--sweep]
+  PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--parts] [--sweep]
   PYTHONPATH=. python benchmarks/rms_norm.py --small   # CPU, interpreted
 """
 
@@ -40,31 +40,23 @@ INTERPRET = False  # --small on CPU: GPU interpret mode, tiny shapes
 DTYPE = jnp.bfloat16
 GOAL_SPEEDUP = 1.2
 # Tile settings tried by --sweep: (pass, (block_rows, warps_per_row, stages,
-# num_blocks)); None = the default heuristic. 264 blocks = 2 per SM.
+# num_blocks, direct_stores)). 264 blocks = 2 per SM. The bulk-copy-store
+# settings were swept in run 1 (.notes/rms_norm.md); these try direct stores.
 SWEEP = {
   512: [
-    ("fwd", (16, 1, 2, 132)),
-    ("fwd", (16, 1, 3, 132)),
-    ("fwd", (8, 1, 4, 132)),
-    ("fwd", (8, 1, 6, 132)),
-    ("fwd", (8, 1, 4, 264)),
-    ("fwd", (32, 1, 1, 132)),
-    ("bwd", (8, 1, 2, 132)),
-    ("bwd", (8, 1, 6, 132)),
-    ("bwd", (16, 1, 3, 132)),
-    ("bwd", (8, 1, 3, 264)),
-    ("bwd", (4, 1, 4, 264)),
+    ("fwd", (16, 1, 2, 132, True)),
+    ("fwd", (16, 1, 5, 132, True)),
+    ("fwd", (32, 1, 2, 132, True)),
+    ("fwd", (8, 1, 4, 264, True)),
+    ("bwd", (8, 1, 6, 132, True)),
+    ("bwd", (4, 1, 4, 264, True)),
   ],
   2048: [
-    ("fwd", (4, 1, 2, 132)),
-    ("fwd", (4, 2, 4, 132)),
-    ("fwd", (2, 2, 4, 264)),
-    ("fwd", (2, 2, 6, 132)),
-    ("bwd", (2, 2, 2, 132)),
-    ("bwd", (2, 2, 6, 132)),
-    ("bwd", (4, 1, 3, 132)),
-    ("bwd", (4, 2, 3, 132)),
-    ("bwd", (2, 2, 3, 264)),
+    ("fwd", (4, 1, 2, 132, True)),
+    ("fwd", (4, 2, 4, 132, True)),
+    ("fwd", (2, 2, 4, 264, True)),
+    ("bwd", (2, 2, 6, 132, True)),
+    ("bwd", (2, 2, 3, 264, True)),
   ],
 }
 GOAL_COPY_FRACTION = 0.9
@@ -194,8 +186,14 @@ def check(c: Case) -> dict:
   return errs
 
 
-def measure(c: Case, copy_bw: float, records: list, rows: list) -> dict:
-  """Ours vs XLA, forward and backward; then stages left out."""
+STORE_MODES = {
+  "bulk-copy stores": mg.BlockSizes(direct_stores=False),
+  "direct stores": mg.BlockSizes(direct_stores=True),
+}
+
+
+def measure(c: Case, copy_bw: float, records: list, rows: list) -> None:
+  """Ours (both store paths) vs XLA, forward and backward."""
   d, tensor = c.d, c.tensor
   case = f"T={T} D={d} bf16 residual+gamma"
   xla_fwd = jax.jit(lambda x, r, g: rms_norm_reference(x, g, r))
@@ -204,67 +202,79 @@ def measure(c: Case, copy_bw: float, records: list, rows: list) -> dict:
     return jax.vjp(rms_norm_reference, x, g, r)[1]((dy, dh))
 
   xla_args = [(x, g, dy, dh, r) for x, r, g, dy, dh in c.sets]
-  cf, cb = c.cfg(None, bwd=False), c.cfg(None, bwd=True)
   t_xla = {
     "fwd": device_time(xla_fwd, c.fwd_args),
     "bwd": device_time(jax.jit(xla_vjp), xla_args),
   }
-  t_ours = {
-    "fwd": device_time(c.fwd(cf), c.fwd_args),
-    "bwd": device_time(c.bwd(cb), c.bwd_args),
-  }
-  nbytes = {
-    "fwd": 4 * tensor + d * 2,
-    "bwd": 4 * tensor + d * 2 + cb.num_blocks * cb.block_rows * d * 4,
-  }
   baseline = {"fwd": "xla: jit(reference)", "bwd": "xla: jit(reference VJP)"}
-  for name, cfg in (("fwd", cf), ("bwd", cb)):
-    t, tx, nb = t_ours[name], t_xla[name], nbytes[name]
-    rows.append(
-      dict(
-        d=d,
-        pass_=name,
-        ours_ms=t * 1e3,
-        xla_ms=tx * 1e3,
-        speedup=tx / t,
-        tbps=nb / t / 1e12,
-        copy_fraction=nb / t / copy_bw,
-        block_rows=cfg.block_rows,
-        warps_per_row=cfg.warps_per_row,
-        stages=cfg.stages,
-        num_blocks=cfg.num_blocks,
-      )
+  default = mg.BlockSizes().direct_stores
+  for mode, bs in STORE_MODES.items():
+    impl = f"mosaic, {mode}" + (
+      " (default)" if bs.direct_stores == default else ""
     )
-    label = f"{case} {name}"
-    rec = functools.partial(common.record, "rms_norm", label, "mosaic")
-    records += [
-      rec(
-        "ms",
-        t * 1e3,
-        baseline=baseline[name],
-        baseline_value=tx * 1e3,
-        lower_is_better=True,
-      ),
-      rec(
-        "speedup vs xla",
-        tx / t,
-        baseline=baseline[name],
-        goal=GOAL_SPEEDUP,
-      ),
-      rec(
-        "TB/s",
-        nb / t / 1e12,
-        baseline="device copy TB/s",
-        baseline_value=copy_bw / 1e12,
-        goal=GOAL_COPY_FRACTION,  # bounds the ratio: fraction of copy
-      ),
-    ]
+    for name in ("fwd", "bwd"):
+      cfg = c.cfg(bs, bwd=name == "bwd")
+      if name == "fwd":
+        t = device_time(c.fwd(cfg), c.fwd_args)
+        nb = 4 * tensor + d * 2
+      else:
+        t = device_time(c.bwd(cfg), c.bwd_args)
+        nb = 4 * tensor + d * 2 + cfg.num_blocks * cfg.block_rows * d * 4
+      tx = t_xla[name]
+      rows.append(
+        dict(
+          d=d,
+          pass_=name,
+          impl=impl,
+          ours_ms=t * 1e3,
+          xla_ms=tx * 1e3,
+          speedup=tx / t,
+          tbps=nb / t / 1e12,
+          copy_fraction=nb / t / copy_bw,
+          block_rows=cfg.block_rows,
+          warps_per_row=cfg.warps_per_row,
+          stages=cfg.stages,
+          num_blocks=cfg.num_blocks,
+        )
+      )
+      rec = functools.partial(common.record, "rms_norm", f"{case} {name}", impl)
+      records += [
+        rec(
+          "ms",
+          t * 1e3,
+          baseline=baseline[name],
+          baseline_value=tx * 1e3,
+          lower_is_better=True,
+        ),
+        rec(
+          "speedup vs xla",
+          tx / t,
+          baseline=baseline[name],
+          goal=GOAL_SPEEDUP,
+        ),
+        rec(
+          "TB/s",
+          nb / t / 1e12,
+          baseline="device copy TB/s",
+          baseline_value=copy_bw / 1e12,
+          goal=GOAL_COPY_FRACTION,  # bounds the ratio: fraction of copy
+        ),
+      ]
 
-  # Where the time goes: the same tiles with a stage left out.
+
+def parts(c: Case, copy_bw: float) -> dict:
+  """Where the time goes: the same tiles with a stage left out."""
+  d, tensor = c.d, c.tensor
   xs = [(s[0],) for s in c.sets]
-  parts = {
+  direct = mg.BlockSizes(direct_stores=True)
+  variants = {
     "copy through SMEM (x->y, no compute)": (
-      jax.jit(lambda x: smem_copy(x, None)),
+      jax.jit(lambda x: smem_copy(x, mg.BlockSizes(direct_stores=False))),
+      xs,
+      2 * tensor,
+    ),
+    "copy, direct stores (x->y, no compute)": (
+      jax.jit(lambda x: smem_copy(x, direct)),
       xs,
       2 * tensor,
     ),
@@ -291,7 +301,7 @@ def measure(c: Case, copy_bw: float, records: list, rows: list) -> dict:
     "xla copy of x": (jax.jit(lambda x: jnp.copy(x)), xs, 2 * tensor),
   }
   out = {}
-  for k, (fn, a, nb) in parts.items():
+  for k, (fn, a, nb) in variants.items():
     t = device_time(fn, a)
     out[k] = dict(ms=t * 1e3, tbps=nb / t / 1e12, copy=nb / t / copy_bw)
     print(
@@ -304,15 +314,20 @@ def measure(c: Case, copy_bw: float, records: list, rows: list) -> dict:
 def sweep(c: Case) -> list:
   """Tile settings of `SWEEP[d]`, four tensors' bytes per pass."""
   results = []
-  for name, (rows_, wpr, stages, nb) in SWEEP[c.d]:
+  for name, (rows_, wpr, stages, nb, direct) in SWEEP[c.d]:
     bs = mg.BlockSizes(
-      block_rows=rows_, warps_per_row=wpr, stages=stages, num_blocks=nb
+      block_rows=rows_,
+      warps_per_row=wpr,
+      stages=stages,
+      num_blocks=nb,
+      direct_stores=direct,
     )
     cfg = c.cfg(bs, bwd=name == "bwd")
     smem = mg.smem_bytes(cfg, bwd=name == "bwd")
     label = (
       f"D={c.d} {name} rows={cfg.block_rows} wpr={cfg.warps_per_row} "
       f"stages={cfg.stages} blocks={cfg.num_blocks} smem={smem // 1024}K"
+      f" direct={cfg.direct_stores}"
     )
     if smem * (nb // 132) > 220 * 1024:
       print("  sweep", label, "skipped: shared memory")
@@ -340,6 +355,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=None, help="also write JSON here")
   ap.add_argument("--sweep", action="store_true", help="time tile settings")
+  ap.add_argument("--parts", action="store_true", help="stages left out")
   ap.add_argument("--small", action="store_true", help="tiny run (CPU)")
   args = ap.parse_args()
   global T, DS, INTERPRET, CALLS, REPEATS
@@ -374,17 +390,23 @@ def main():
   for d in DS:
     c = Case(d)
     details[f"errors_d{d}"] = check(c)
-    details[f"parts_d{d}"] = measure(c, copy_bw, records, rows)
+    measure(c, copy_bw, records, rows)
+    if args.parts:
+      details[f"parts_d{d}"] = parts(c, copy_bw)
     details["rows"] = rows
     save()
     del c
 
   print()
   print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write)")
-  print("D    pass ours_ms xla_ms speedup TB/s  copy%  rows wpr stages blocks")
+  print(
+    "D    pass impl                               ours_ms xla_ms speedup"
+    " TB/s  copy%  rows wpr stages blocks"
+  )
   for r in rows:
     print(
-      f"{r['d']:<4} {r['pass_']:4} {r['ours_ms']:7.3f} {r['xla_ms']:6.3f}"
+      f"{r['d']:<4} {r['pass_']:4} {r['impl']:34} {r['ours_ms']:7.3f}"
+      f" {r['xla_ms']:6.3f}"
       f" {r['speedup']:6.2f}x {r['tbps']:5.2f} {r['copy_fraction']:5.0%}"
       f" {r['block_rows']:5} {r['warps_per_row']:3} {r['stages']:6}"
       f" {r['num_blocks']:6}"

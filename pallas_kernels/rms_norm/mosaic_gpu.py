@@ -80,6 +80,9 @@ class BlockSizes:
   num_blocks: persistent blocks `g`; one per SM fills the chip.
   tile_bytes: `None` = 16 KiB forward, 8 KiB backward (the backward holds
     more per element in registers: h, dy and the dgamma accumulator).
+  direct_stores: outputs go from registers straight to global memory
+    (16-byte stores per lane) instead of through SMEM and a bulk copy; the
+    ragged last tile still takes the bulk copy, which is clamped.
   """
 
   block_rows: int | None = None
@@ -89,6 +92,7 @@ class BlockSizes:
   tile_bytes: int | None = None
   max_stages: int = 4
   max_elems: int | None = None
+  direct_stores: bool = False
 
 
 def _vec(itemsize: int) -> int:
@@ -149,6 +153,7 @@ class _Config:
   stages: int
   num_blocks: int
   interpret: bool
+  direct_stores: bool = False
 
   @property
   def num_tiles(self) -> int:
@@ -193,7 +198,10 @@ def make_config(
   tile = rows * d * itemsize
   n_in = 2 + has_residual if bwd else 1 + has_residual
   n_out = 1 if bwd else 1 + has_residual
-  fixed = 2 * n_out * tile + (rows * d * 4 if bwd and gamma_dtype else 0)
+  out_slots = 1 if bs.direct_stores else 2
+  fixed = out_slots * n_out * tile + (
+    rows * d * 4 if bwd and gamma_dtype else 0
+  )
   stages = bs.stages
   if stages is None:
     stages = max(1, min(bs.max_stages, (_SMEM_BUDGET - fixed) // (n_in * tile)))
@@ -210,6 +218,7 @@ def make_config(
     stages=stages,
     num_blocks=min(bs.num_blocks, num_tiles),
     interpret=interpret,
+    direct_stores=bs.direct_stores,
   )
 
 
@@ -259,10 +268,10 @@ def _pipeline(cfg: _Config, in_gmem, in_smem, barrier, out_gmem, out_smem):
 
     def step_fn(step, carry):
       slot = lax.rem(step, s)
-      out_slot = lax.rem(step, 2)
+      out_slot = lax.rem(step, out_smem[0].shape[0])
       plgpu.barrier_wait(barrier.at[slot])
 
-      def store(values):
+      def store_async(values):
         # The store issued two steps ago from this buffer must have read it.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         for v, buf in zip(values, out_smem, strict=True):
@@ -274,6 +283,23 @@ def _pipeline(cfg: _Config, in_gmem, in_smem, barrier, out_gmem, out_smem):
             dst.at[rows(step)],
             commit_group=i == len(out_smem) - 1,
           )
+
+      def store_direct(values):
+        # 16-byte st.global per lane, straight from registers.
+        for v, dst in zip(values, out_gmem, strict=True):
+          dst.at[rows(step)][...] = v.astype(dst.dtype)
+
+      def store(values):
+        if not cfg.direct_stores:
+          store_async(values)
+        elif not cfg.ragged:
+          store_direct(values)
+        else:
+          # Only the last tile is ragged: there the clamped bulk copy keeps
+          # the stores inside the array.
+          full = row0 + m <= cfg.t
+          pl.when(full)(lambda: store_direct(values))
+          pl.when(jnp.logical_not(full))(lambda: store_async(values))
 
       row0 = (blk + step * g) * m
       carry = body(row0, [r.at[slot] for r in in_smem], store, carry)
@@ -378,7 +404,10 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
   m, d = cfg.block_rows, cfg.d
   scratch = [
     [plgpu.SMEM((cfg.stages, m, d), cfg.dtype) for _ in range(n_in)],
-    [plgpu.SMEM((2, m, d), cfg.dtype) for _ in range(n_out)],
+    [
+      plgpu.SMEM((1 if cfg.direct_stores else 2, m, d), cfg.dtype)
+      for _ in range(n_out)
+    ],
     plgpu.Barrier(num_arrivals=n_in, num_barriers=cfg.stages),
     *extra_scratch,
   ]
@@ -443,7 +472,8 @@ def smem_bytes(cfg: _Config, *, bwd: bool) -> int:
   n_in = 2 + cfg.has_residual if bwd else 1 + cfg.has_residual
   n_out = 1 if bwd else 1 + cfg.has_residual
   acc = cfg.block_rows * cfg.d * 4 if bwd and cfg.gamma_dtype else 0
-  return cfg.stages * n_in * tile + 2 * n_out * tile + acc
+  out_slots = 1 if cfg.direct_stores else 2
+  return cfg.stages * n_in * tile + out_slots * n_out * tile + acc
 
 
 __all__ = [

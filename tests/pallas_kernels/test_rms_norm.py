@@ -76,7 +76,7 @@ def _check(fn, x, g, r, key, *, dtype):
     assert _rel_err(gr, gr_ref) < _tol(dtype, red), name
 
 
-def _small(block_rows=None, warps_per_row=None):
+def _small(block_rows=None, warps_per_row=None, direct_stores=False):
   # Two persistent blocks, small tiles: several tiles per block, the ring of
   # buffers wraps, and the last tile is ragged.
   return mosaic_gpu.BlockSizes(
@@ -84,6 +84,7 @@ def _small(block_rows=None, warps_per_row=None):
     warps_per_row=warps_per_row,
     num_blocks=2,
     stages=2,
+    direct_stores=direct_stores,
   )
 
 
@@ -93,20 +94,21 @@ VARIANTS = [(True, True), (False, True), (True, False), (False, False)]
 @pytest.mark.parametrize("with_gamma,with_residual", VARIANTS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize(
-  "t,d,block_rows,warps_per_row",
+  "t,d,block_rows,warps_per_row,direct",
   [
-    (37, 64, 16, 1),  # ragged: 2 full tiles + 5 rows, 4 rows per warp
-    (1, 256, None, 1),  # a single row
-    (24, 512, 4, 1),  # exact multiple of the tile, 2 vectors per lane
-    (7, 512, 2, 2),  # a row split over 2 warps, ragged
+    (37, 64, 16, 1, False),  # ragged: 2 full tiles + 5 rows, 4 rows/warp
+    (1, 256, None, 1, False),  # a single row
+    (24, 512, 4, 1, False),  # exact multiple of the tile, 2 vectors per lane
+    (7, 512, 2, 2, False),  # a row split over 2 warps, ragged
+    (37, 64, 16, 1, True),  # direct stores, bulk copy for the ragged tile
   ],
 )
 def test_matches_reference(
-  t, d, block_rows, warps_per_row, dtype, with_gamma, with_residual
+  t, d, block_rows, warps_per_row, direct, dtype, with_gamma, with_residual
 ):
   key = jax.random.key(t * 1000 + d)
   x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
-  bs = _small(block_rows, warps_per_row)
+  bs = _small(block_rows, warps_per_row, direct)
 
   def fn(x, g, r):
     return rms_norm_mosaic(
@@ -200,30 +202,43 @@ def test_default_dispatch_on_cpu_is_xla():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "shape,with_gamma,with_residual",
+  "shape,with_gamma,with_residual,direct",
   [
     # Ragged tails on real hardware, where rows past `t` hold stale SMEM.
-    *[((262_144 + 37, 512), g, r) for g, r in VARIANTS],
-    ((65_536 + 3, 2048), True, True),  # backward splits rows over 2 warps
-    ((4_099, 8, 64), True, False),  # QK-norm: 4 rows per warp
+    *[((262_144 + 37, 512), g, r, None) for g, r in VARIANTS],
+    ((65_536 + 3, 2048), True, True, None),  # bwd: rows over 2 warps
+    ((4_099, 8, 64), True, False, None),  # QK-norm: 4 rows per warp
+    # Both store paths explicitly, ragged.
+    ((262_144 + 37, 512), True, True, True),
+    ((65_536 + 3, 2048), True, True, True),
+    ((262_144 + 37, 512), True, True, False),
   ],
 )
-def test_gpu_matches_reference(shape, with_gamma, with_residual):
+def test_gpu_matches_reference(shape, with_gamma, with_residual, direct):
   key = jax.random.key(shape[0])
   x, g, r = _inputs(key, shape, jnp.bfloat16, with_gamma, with_residual)
-  fn = jax.jit(lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=False))
-  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+  bs = None if direct is None else mosaic_gpu.BlockSizes(direct_stores=direct)
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=False
+    )
+
+  _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("t", [37, 5])
-def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t):
+def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t, direct):
   """One block, two buffers: the ragged last tile reuses the buffer of tile
   0, so its rows past `t` hold real (stale) data that must not reach dgamma.
   """
   key = jax.random.key(t)
   x, g, r = _inputs(key, (t, 512), jnp.bfloat16, True, True)
-  bs = mosaic_gpu.BlockSizes(block_rows=16, num_blocks=1, stages=2)
+  bs = mosaic_gpu.BlockSizes(
+    block_rows=16, num_blocks=1, stages=2, direct_stores=direct
+  )
 
   def fn(x, g, r):
     return rms_norm_mosaic(
