@@ -135,6 +135,22 @@ def test_qk_norm_shape_under_grad():
   assert _rel_err(got[1], want[1]) < _tol(jnp.bfloat16, t * n)
 
 
+def test_f32_gamma_with_bf16_activations():
+  """Parameters kept in f32, activations in bf16: dgamma comes back in f32."""
+  t, d = 21, 512
+  key = jax.random.key(11)
+  x, _, r = _inputs(key, (t, d), jnp.bfloat16, False, True)
+  g = 1 + 0.5 * jax.random.normal(jax.random.fold_in(key, 2), (d,))
+  bs = _small(8)
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+    )
+
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+
+
 def test_vmap_over_shards_with_shared_gamma():
   """A leading shard axis under vmap; gamma shared, its gradient summed."""
   s, t, d = 2, 21, 64
