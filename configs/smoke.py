@@ -1,4 +1,4 @@
-"""CPU-sized config: trains in a few minutes on 2 cores, the default of `make train`.
+"""CPU-sized config: trains in minutes on 2 cores; `make train` runs it.
 
   make train
   python -m gemjax.train --config smoke --set train.steps=50   # run small
@@ -32,5 +32,5 @@ def get_config() -> Config:
       cand_capacity=320,
       eval_requests=2_048,
     ),
-    train=TrainConfig(steps=300, checkpoint_every=100, log_every=10),
+    train=TrainConfig(steps=600, checkpoint_every=200, log_every=10),
   )

@@ -60,7 +60,11 @@ class TrainConfig:
   learning_rate: float = 2e-3  # AdamW peak, dense parameters
   warmup_steps: int = 30
   weight_decay: float = 0.01
-  embedding_learning_rate: float = 0.05  # row-wise Adagrad, tables
+  embedding_learning_rate: float = 0.003  # row-wise Adagrad, tables
+  # Adagrad's starting accumulator, in units of the squared gradient. The loss
+  # is a mean over the batch, so one row's gradient is tiny (~1e-4): a large
+  # start (TF's 0.1) would freeze the tables for thousands of steps.
+  embedding_initial_accumulator: float = 1e-6
   grad_clip_norm: float = 1.0
   seed: int = 0
   log_every: int = 10

@@ -63,7 +63,9 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
     optax.multi_transform(
       {
         "dense": optax.adamw(schedule, weight_decay=cfg.weight_decay),
-        "table": rowwise_adagrad(cfg.embedding_learning_rate),
+        "table": rowwise_adagrad(
+          cfg.embedding_learning_rate, cfg.embedding_initial_accumulator
+        ),
       },
       labels,
     ),
