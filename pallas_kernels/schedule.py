@@ -94,7 +94,8 @@ def enumerate_tiles(offsets_e, block: int, align: int, num_items: int):
   ends_b = jnp.cumsum(n_tiles_b)
   tile_start_b = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_b])
   j = jnp.arange(num_items, dtype=jnp.int32)
-  seq = jnp.searchsorted(ends_b, j, side="right").astype(jnp.int32)
+  seq = jnp.searchsorted(ends_b, j, side="right", method="compare_all")
+  seq = seq.astype(jnp.int32)
   seq = jnp.minimum(seq, num_seqs - 1)
   tile = j - tile_start_b[seq]
   valid = j < ends_b[-1]

@@ -25,29 +25,33 @@ then runs the long tiles of a 2K sequence first on separate SMs: greedy LPT).
 The forward and dQ kernels run one CTA per (query tile, pair of query heads);
 the dK/dV kernel one CTA per (128-row key tile, KV head).
 
-Boundaries by zero-fill, not masks (G1). A query tile is `[p0, p0 + 64)` of
-its sequence; key tiles are `[x0, x0 + bkv)`. Only the last key tile of a
-sequence runs past its end. On CUDA, Triton gives each sequence its own TMA
-descriptor whose bounds are the sequence end, so the copy engine fills the
-rows past it with zeros. In Pallas a TMA descriptor's bounds are the whole
-packed buffer's (fixed at launch), so the rows past a sequence end are the
-next sequence's rows. We reach the same effect this way: a tiny gather before
-the kernel copies each sequence's last partial key/value tile into a
-zero-padded `[b, bkv, k, h]` side buffer (`k_tail`, `v_tail`, < 1% of K/V),
-and the producer warpgroup loads that tile from there instead of from the
-packed buffer. Every tile the consumer sees is then either fully real or
-real-then-zeros, and no select/mask runs on any score for sequence
-boundaries. A zero key row gives score `c * q . 0 = 0` exactly, so the row
-sums pick up `z` surplus terms `2^(0 - m_t)`, each rescaled like every other
-term to `2^(0 - m)` with the final row max `m`. A zero value row adds nothing
-to `o`. So after the last tile
+Boundaries by zero-fill, not masks (G1). On CUDA, Triton gives each
+sequence its own TMA descriptor whose bounds are the sequence's ends, so the
+copy engine fills rows outside it with zeros. Pallas cannot express that: a
+TMA descriptor's bounds are the whole packed buffer's (fixed at launch), and
+Mosaic's TMA into tiled (8, 64) shared memory needs the first row of a window
+to be a multiple of 8 (proved with `pl.multiple_of`). So every sequence is
+cut into tiles on the 8-aligned row grid: tile `f` of sequence `j` covers
+packed rows `off_j - lead_j + f * blk ...` with `lead_j = off_j % 8`, and
+only the first tile (up to 7 lead rows of the previous sequence) and the last
+tile (rows past the end) hold rows of other sequences. For keys and values,
+a tiny gather before the kernel copies those two tiles of every sequence into
+a zero-filled side buffer `[b+1, 2, bkv, k, h]` (`side_tiles`, ~1% of K/V
+bytes), and the producer warpgroup loads a sequence's first and last tile
+from there, the others from the packed buffer. Every tile the consumers see
+is then real rows and zeros, and no select/mask runs on any score for
+sequence boundaries. A zero key row gives score `c * q . 0 = 0` exactly, so
+the row sums pick up `z` surplus terms `2^(0 - m_t)`, each rescaled like
+every other term to `2^(0 - m)` with the final row max `m`. A zero value row
+adds nothing to `o`. So after the last tile
 
     l_true = l - z * 2^(-m)
 
 is the exact denominator, where `z` (known from the lengths) is the number of
-zero-filled keys the row saw: `E - L_kv` for the `E = steps * bkv` keys
-visited (with causal masking, only those at positions `<= p`). The row max
-`m` may be the surplus 0 rather than the true max; the stabilized form stays
+zero-filled keys the row saw: `steps * bkv - L_kv` (with causal masking, the
+`lead` ones before the sequence plus those past its end at positions `<= p`).
+The row max `m` may be the surplus 0 rather than the true max; the stabilized
+form stays
 exact in exact arithmetic, and in f32 the subtraction loses about
 `z * 2^-24 / sum_x 2^(s_x - m)` relatively, negligible unless every true score
 of a row is far (> ~10 nats) below zero -- QK-norm keeps scores bounded. The
@@ -55,11 +59,13 @@ test `test_surplus_subtraction_*` checks this against the reference, with
 large positive scores (max far above the zero terms) and with moderate
 negative ones (the zeros are the max).
 
-Query rows past a sequence end are computed (they are the next sequence's
-rows, finite) and never written back: the output tile is stored with a
-ladder of TMA stores of 64, 32, ..., 1 rows chosen by the bits of the valid
-row count (the technique of JAX's ragged_dot). The saved `lse` of such rows is
-`+inf` (tile-padded layout `[n, i * 64]`), so in the backward their
+Query rows outside a sequence (lead rows, rows past the end) are computed
+(they are other sequences' rows, finite) and never written back: the output
+tile leaves through a plain shared-memory buffer with a ladder of TMA stores
+of 64, 32, ..., 1 rows chosen by the bits of the valid row count (the
+technique of JAX's ragged_dot), starting at the first valid row. The saved
+`lse` of such rows is `+inf` (tile-padded layout `[n, i * 64]`), so in the
+backward their
 `P = 2^(s - lse)` is exactly 0 and they add nothing to dK/dV without a mask.
 In dQ, the zero-filled key rows give `P != 0` but `dS K = 0` and `dP = 0`.
 Only causal diagonal tiles build a (position) mask. Rows of the buffer tail

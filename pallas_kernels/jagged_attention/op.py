@@ -31,8 +31,20 @@ def _delta_tile_padded(o_tnh, do_tnh, q_offsets, block_q, num_items):
   return jnp.where(ok[:, None], delta_tn[rows], 0.0).T  # [n, i * 64]
 
 
+def _pad_rows(x, multiple=mg.ALIGN):
+  """Mosaic's tiled TMA wants the packed row count a multiple of 8; buffers
+  whose capacity is one (the usual case) pass through without a copy."""
+  extra = -x.shape[0] % multiple
+  if not extra:
+    return x
+  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _fwd(static, q, k, v, q_off, kv_off):
   bs = static.block_sizes
+  res_qkv = (q, k, v)
+  t = q.shape[0]
+  q, k, v = _pad_rows(q), _pad_rows(k), _pad_rows(v)
   items, sched = mg.query_items(
     q_off,
     kv_off,
@@ -44,7 +56,7 @@ def _fwd(static, q, k, v, q_off, kv_off):
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
-  return o, (q, k, v, o, lse, q_off, kv_off, sched.tile_start_b)
+  return o[:t], (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -55,6 +67,8 @@ def _attention(static, q, k, v, q_off, kv_off):
 def _bwd(static, res, do):
   q, k, v, o, lse, q_off, kv_off, tile_start_b = res
   bs = static.block_sizes
+  t_in, s_in = q.shape[0], k.shape[0]
+  q, k, v, do = _pad_rows(q), _pad_rows(k), _pad_rows(v), _pad_rows(do)
   t, s = q.shape[0], k.shape[0]
   num_items = lse.shape[1] // bs.block_q
   delta = _delta_tile_padded(o, do, q_off, bs.block_q, num_items)
@@ -79,7 +93,7 @@ def _bwd(static, res, do):
     causal=static.causal,
   )
   dk, dv = mg.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
-  return dq, dk, dv, None, None
+  return dq[:t_in], dk[:s_in], dv[:s_in], None, None
 
 
 _attention.defvjp(_fwd, _bwd)

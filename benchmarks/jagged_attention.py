@@ -1,0 +1,379 @@
+"""Jagged attention: our Mosaic GPU kernels vs cuDNN on the padded layout.
+
+    PYTHONPATH=. python3 benchmarks/jagged_attention.py [--out DIR] [--quick]
+
+B=32 sequences, Lmax=2048, 8 query / 2 KV heads, bf16, D=64 and 128; length
+mixes (a) log-normal (median 1100, sigma 0.6, capped at 2048), (b) uniform
+1..2048, (c) all 2048; plus cross-attention (2048 queries per sequence over
+256 keys). In one process: ours on the packed buffer (capacity = tokens + 64
+tail rows rounded up to 64, schedule built inside the timed call), cuDNN
+`jax.nn.dot_product_attention(implementation="cudnn")` on the padded
+`[B, Lmax]` layout with per-sample lengths (the padded copy is made outside
+the timed call), and the XLA reference. Useful FLOPs only: `4 n h sum_b
+Lq_b Lkv_b` forward, 3.5x that forward+backward. Each timed call runs R
+independent input sets inside one jit (dispatch amortized, inputs rotated);
+the median of the per-set time is reported.
+
+Also timed (for `.notes/jagged_attention.md`): our forward kernel alone (work
+list and side tiles prebuilt) and the backward's dQ and dK/dV kernels alone,
+to show where the time goes.
+"""
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from pallas_kernels.jagged_attention import mosaic_gpu as mg
+from pallas_kernels.jagged_attention.op import (
+  _delta_tile_padded,
+  jagged_attention_mosaic,
+)
+from pallas_kernels.jagged_attention.reference import (
+  jagged_attention_reference,
+)
+
+B, LMAX, N, KH = 32, 2048, 8, 2
+DTYPE = jnp.bfloat16
+R = 4  # input sets per timed call
+TAIL = 64
+ITERS = 20
+WARMUP = 2
+CUDNN = "cudnn"
+INTERPRET = None
+
+# Goals from the issue, as ratios to cuDNN-padded useful TFLOP/s.
+GOALS = {
+  (128, "lognormal", "fwd"): 1.3,
+  (128, "lognormal", "fwdbwd"): 1.15,
+  (64, "lognormal", "fwd"): 1.5,
+  (64, "lognormal", "fwdbwd"): 1.3,
+  (128, "all2048", "fwd"): 0.9,
+  (128, "all2048", "fwdbwd"): 0.9,
+  (64, "all2048", "fwd"): 0.9,
+  (64, "all2048", "fwdbwd"): 0.9,
+}
+
+
+def lengths(mix, rng):
+  if mix == "lognormal":
+    x = np.exp(rng.normal(np.log(1100 * LMAX / 2048), 0.6, B))
+    return np.clip(np.round(x), 1, LMAX).astype(np.int32)
+  if mix == "uniform":
+    return rng.integers(1, LMAX + 1, B).astype(np.int32)
+  if mix in ("all2048", "cross"):
+    return np.full(B, LMAX, np.int32)
+  raise ValueError(mix)
+
+
+def offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def pad(x_t, off, lmax):
+  """Packed `[t, ...]` -> padded `[b, lmax, ...]` (zeros past each length)."""
+  lens = np.diff(off)
+  idx = off[:-1, None] + np.arange(lmax)[None, :]
+  valid = np.arange(lmax)[None, :] < lens[:, None]
+  idx = np.where(valid, idx, 0)
+  return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
+
+
+def make_sets(h, q_lens, kv_lens, seed):
+  q_off, kv_off = offsets(q_lens), offsets(kv_lens)
+  # Buffer capacity: tokens plus a small tail, rounded to 64 rows as a
+  # packer's static `max_tokens` would be.
+  t = -(-(int(q_off[-1]) + TAIL) // 64) * 64
+  s = -(-(int(kv_off[-1]) + TAIL) // 64) * 64
+  sets = []
+  for r in range(R):
+    ks = jax.random.split(jax.random.key(seed * 100 + r), 4)
+    q = jax.random.normal(ks[0], (t, N, h), DTYPE)
+    k = jax.random.normal(ks[1], (s, KH, h), DTYPE)
+    v = jax.random.normal(ks[2], (s, KH, h), DTYPE)
+    do = jax.random.normal(ks[3], (t, N, h), DTYPE)
+    sets.append((q, k, v, do))
+  return q_off, kv_off, sets
+
+
+def timed(fn, sets, iters=ITERS):
+  """Median seconds per input set of `fn(*set)`, R sets per jitted call."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  iters = min(iters, ITERS)
+  return common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters) / len(
+    sets
+  )
+
+
+def loss_grad(attn):
+  def f(q, k, v, do):
+    return jax.grad(
+      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
+      argnums=(0, 1, 2),
+    )(q, k, v)
+
+  return f
+
+
+def run_case(h, mix, rng, args, records, extra):
+  cross = mix == "cross"
+  q_lens = lengths(mix, rng)
+  lmax_kv = min(256, LMAX) if cross else LMAX
+  kv_lens = np.full(B, lmax_kv, np.int32) if cross else q_lens
+  q_off, kv_off, sets = make_sets(h, q_lens, kv_lens, seed=h + len(mix))
+  flops = 4.0 * N * h * float(np.sum(q_lens.astype(np.float64) * kv_lens))
+  case = f"D{h}_{mix}"
+  q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
+
+  def ours(q, k, v):
+    return jagged_attention_mosaic(q, k, v, q_off_j, kv_off_j)
+
+  def ref(q, k, v):
+    return jagged_attention_reference(
+      q, k, v, q_off_j, kv_off_j, max_len_q=LMAX, max_len_kv=lmax_kv
+    )
+
+  lens_j = jnp.asarray(q_lens)
+  kv_lens_j = jnp.asarray(kv_lens)
+  padded = [
+    (
+      pad(q, q_off, LMAX),
+      pad(k, kv_off, lmax_kv),
+      pad(v, kv_off, lmax_kv),
+      pad(do, q_off, LMAX),
+    )
+    for q, k, v, do in sets
+  ]
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      implementation=CUDNN,
+      query_seq_lengths=lens_j,
+      key_value_seq_lengths=kv_lens_j,
+    )
+
+  # Correctness at full scale: ours vs cuDNN on the real rows.
+  q, k, v, _ = sets[0]
+  got = pad(jax.jit(ours)(q, k, v), q_off, LMAX)
+  want = jax.jit(cudnn)(*padded[0][:3])
+  valid = np.arange(LMAX)[None, :] < q_lens[:, None]
+  g = np.asarray(got, np.float32)[valid]
+  w = np.asarray(want, np.float32)[valid]
+  rel = float(np.linalg.norm(g - w) / np.linalg.norm(w))
+  print(f"{case}: ours vs cuDNN forward rel err {rel:.2e}", flush=True)
+  assert rel < 2e-2, rel
+
+  times = {}
+  times["mosaic", "fwd"] = timed(lambda q, k, v, do: ours(q, k, v), sets)
+  times["mosaic", "fwdbwd"] = timed(loss_grad(ours), sets)
+  times["cudnn", "fwd"] = timed(lambda q, k, v, do: cudnn(q, k, v), padded)
+  times["cudnn", "fwdbwd"] = timed(loss_grad(cudnn), padded)
+  if not args.quick:
+    one = sets[:1]
+    times["xla", "fwd"] = timed(lambda q, k, v, do: ref(q, k, v), one, 5)
+    times["xla", "fwdbwd"] = timed(loss_grad(ref), one, 5)
+
+  for (impl, kind), sec in times.items():
+    mult = 3.5 if kind == "fwdbwd" else 1.0
+    tf = flops * mult / sec / 1e12
+    base = flops * mult / times["cudnn", kind] / 1e12
+    print(
+      f"{case:16s} {impl:7s} {kind:7s} {sec * 1e3:8.3f} ms "
+      f"{tf:7.1f} useful TFLOP/s",
+      flush=True,
+    )
+    records.append(
+      common.record(
+        "jagged_attention",
+        case,
+        impl,
+        f"{kind}_ms",
+        sec * 1e3,
+        baseline=None if impl == "cudnn" else "cudnn_padded",
+        baseline_value=None if impl == "cudnn" else times["cudnn", kind] * 1e3,
+        lower_is_better=True,
+      )
+    )
+    if impl != "cudnn":
+      records.append(
+        common.record(
+          "jagged_attention",
+          case,
+          impl,
+          f"{kind}_useful_tflops",
+          tf,
+          baseline="cudnn_padded",
+          baseline_value=base,
+          goal=GOALS.get((h, mix, kind)) if impl == "mosaic" else None,
+        )
+      )
+
+  try:  # extra timings must not lose the main records
+    if args.tune and mix == "lognormal":
+      tune(h, case, q_off_j, kv_off_j, sets, extra)
+    if args.breakdown and mix in ("lognormal", "all2048"):
+      breakdown(h, case, q_off_j, kv_off_j, sets, times, extra)
+  except Exception as e:
+    print(f"{case}: extra timings failed: {type(e).__name__}: {e}"[:2000])
+
+
+TUNE = [
+  mg.BlockSizes(),
+  mg.BlockSizes(block_kv=64),
+  mg.BlockSizes(max_concurrent_steps=3),
+  mg.BlockSizes(block_kv_dq=128),
+]
+
+
+def tune(h, case, q_off, kv_off, sets, extra):
+  """The op under other block sizes (forward and forward+backward)."""
+  for bs in TUNE:
+
+    def ours(q, k, v, bs=bs):
+      return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
+
+    for kind, fn in [
+      ("fwd", lambda q, k, v, do, f=ours: f(q, k, v)),
+      ("fwdbwd", loss_grad(ours)),
+    ]:
+      try:
+        sec = timed(fn, sets)
+      except Exception as e:  # e.g. shared memory overflow
+        print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
+        continue
+      print(f"{case:16s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
+      extra.append({"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3})
+
+
+def breakdown(h, case, q_off, kv_off, sets, times, extra):
+  """Kernel-only times: the forward, dQ and dK/dV kernels with prebuilt
+  work lists and side tiles, and the XLA pieces around them."""
+  bs = mg.BlockSizes.default(h)
+  static = mg._Static(
+    causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
+  )
+  t = sets[0][0].shape[0]
+  s = sets[0][1].shape[0]
+
+  def prep(q, k, v, do):
+    items, sched = mg.query_items(
+      q_off, kv_off, t, block_q=bs.block_q, block_kv=bs.block_kv, causal=False
+    )
+    items_dq, _ = mg.query_items(
+      q_off,
+      kv_off,
+      t,
+      block_q=bs.block_q,
+      block_kv=bs.block_kv_dq,
+      causal=False,
+    )
+    items_kv = mg.key_items(
+      q_off,
+      kv_off,
+      s,
+      sched.tile_start_b,
+      block_q=bs.block_q,
+      block_kv=2 * bs.block_kv_dkv,
+      causal=False,
+    )
+    side = [mg.side_tiles(x, kv_off, bs.block_kv) for x in (k, v)]
+    side_dq = [mg.side_tiles(x, kv_off, bs.block_kv_dq) for x in (k, v)]
+    o, lse = mg.forward(q, k, v, *side, items, static)
+    delta = _delta_tile_padded(o, do, q_off, bs.block_q, items.shape[0])
+    return dict(
+      items=items,
+      items_dq=items_dq,
+      items_kv=items_kv,
+      side=side,
+      side_dq=side_dq,
+      lse=lse,
+      delta=delta,
+      o=o,
+    )
+
+  preps = [jax.jit(prep)(*x) for x in sets]
+  full = [(x, p) for x, p in zip(sets, preps, strict=True)]
+
+  def t_fwd(x, p):
+    q, k, v, _ = x
+    return mg.forward(q, k, v, *p["side"], p["items"], static)
+
+  def t_dq(x, p):
+    q, k, v, do = x
+    return mg.backward_dq(
+      q, k, v, *p["side_dq"], do, p["lse"], p["delta"], p["items_dq"], static
+    )
+
+  def t_dkv(x, p):
+    q, k, v, do = x
+    return mg.backward_dkv(
+      q, k, v, do, p["lse"], p["delta"], p["items_kv"], static
+    )
+
+  def t_sched(x, p):
+    q, k, v, _ = x
+    items, _ = mg.query_items(
+      q_off, kv_off, t, block_q=bs.block_q, block_kv=bs.block_kv, causal=False
+    )
+    side = [mg.side_tiles(z, kv_off, bs.block_kv) for z in (k, v)]
+    return items, side
+
+  def t_delta(x, p):
+    return _delta_tile_padded(
+      p["o"], x[3], q_off, bs.block_q, p["items"].shape[0]
+    )
+
+  for name, fn in [
+    ("fwd_kernel", t_fwd),
+    ("dq_kernel", t_dq),
+    ("dkv_kernel", t_dkv),
+    ("fwd_schedule_and_side_tiles", t_sched),
+    ("bwd_delta", t_delta),
+  ]:
+    batched = jax.jit(lambda pairs, fn=fn: [fn(x, p) for x, p in pairs])
+    sec = common.time_fn(batched, (full,), warmup=WARMUP, iters=ITERS)
+    sec /= len(full)
+    print(f"{case:16s} {name:28s} {sec * 1e3:8.3f} ms", flush=True)
+    extra.append({"case": case, "part": name, "ms": sec * 1e3})
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--quick", action="store_true", help="no XLA ref")
+  parser.add_argument("--breakdown", action="store_true")
+  parser.add_argument("--tune", action="store_true")
+  parser.add_argument("--dims", default="128,64")
+  parser.add_argument("--mixes", default="lognormal,all2048,uniform,cross")
+  parser.add_argument("--smoke", action="store_true", help="CPU dry run")
+  args = parser.parse_args()
+  if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    global B, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET
+    B, LMAX, R, ITERS, WARMUP, CUDNN = 2, 128, 1, 1, 0, "xla"
+    INTERPRET = plgpu.InterpretGPUParams()
+  print(common.device_name(), jax.__version__, flush=True)
+  records, extra = [], []
+  for h in map(int, args.dims.split(",")):
+    for mix in args.mixes.split(","):
+      rng = np.random.default_rng(0)  # same lengths for D=64 and D=128
+      run_case(h, mix, rng, args, records, extra)
+      # Written after every case, so a run cut short keeps what it measured.
+      path = common.write_results("jagged_attention", records, args.out)
+      if extra and args.out:
+        pathlib.Path(args.out, "jagged_attention_breakdown.json").write_text(
+          json.dumps(extra, indent=1)
+        )
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()

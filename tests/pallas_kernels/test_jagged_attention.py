@@ -1,0 +1,298 @@
+"""Jagged attention: Mosaic GPU kernels against the plain-jnp reference.
+
+On CPU the kernels run under Pallas's GPU interpret mode (slow, so shapes are
+tiny but keep every edge case: empty sequences, length 1, lengths that are
+not a multiple of the tile or of the 8-row TMA alignment, one long sequence
+among short ones, the buffer tail, cross-attention with empty key or query
+sides, GQA with even and odd groups). `-m gpu` reruns them compiled at real
+shapes on the H200.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch, jagged_attention, schedule
+from pallas_kernels.jagged_attention import mosaic_gpu as mg
+from pallas_kernels.jagged_attention.op import (
+  IMPLEMENTATIONS,
+  jagged_attention_mosaic,
+)
+from pallas_kernels.jagged_attention.reference import (
+  jagged_attention_reference,
+)
+
+# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
+# the f32 reference: one rounding of the inputs and outputs (2^-8 for bf16)
+# times a small factor; f32 accumulation keeps the sum itself exact enough.
+REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
+
+
+def _offsets(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _inputs(seed, t, s, n, kh, h, dtype):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (s, kh, h), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal):
+  max_len_q = max(int(np.diff(q_off).max()), 1)
+  max_len_kv = max(int(np.diff(kv_off).max()), 1)
+
+  def f(q, k, v):
+    return fn(
+      q,
+      k,
+      v,
+      q_off,
+      kv_off,
+      causal=causal,
+      max_len_q=max_len_q,
+      max_len_kv=max_len_kv,
+    )
+
+  o, vjp = jax.vjp(f, q, k, v)
+  return [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+
+
+def _rel_err(got, want):
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed):
+  q_off = _offsets(q_lens)
+  kv_off = q_off if kv_lens is None else _offsets(kv_lens)
+  t = int(q_off[-1]) + tail
+  s = int(kv_off[-1]) + tail
+  q, k, v, do = _inputs(seed, t, s, n, kh, h, dtype)
+  got = _fwd_bwd(jagged_attention_mosaic, q, k, v, do, q_off, kv_off, causal)
+  with jax.default_matmul_precision("highest"):  # no TF32 in the oracle
+    want = _fwd_bwd(
+      jagged_attention_reference,
+      *(x.astype(jnp.float32) for x in (q, k, v, do)),
+      q_off,
+      kv_off,
+      causal,
+    )
+  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+    assert np.isfinite(g).all(), name
+    err = _rel_err(g, w)
+    assert err < REL_TOL[dtype], (name, err)
+  # Rows the reference defines as zero are exactly zero (not just small):
+  # the buffer tail, rows of sequences without keys, keys without queries.
+  o, dq, dk, dv = got
+  q_zero = np.ones(t, bool)
+  kv_zero = np.ones(s, bool)
+  for i in range(len(q_lens)):
+    has_kv = kv_off[i + 1] > kv_off[i]
+    has_q = q_off[i + 1] > q_off[i]
+    q_zero[q_off[i] : q_off[i + 1]] = not has_kv
+    kv_zero[kv_off[i] : kv_off[i + 1]] = not has_q
+  assert not o[q_zero].any() and not dq[q_zero].any()
+  assert not dk[kv_zero].any() and not dv[kv_zero].any()
+
+
+# Interpret mode (CPU): tiny shapes, every edge case. Lengths: 70 (not a
+# multiple of the 64-row tile), 0, 1, 9, and a long 130 among short ones;
+# sequence starts land off the 8-row grid; 5 tail rows past offsets[-1].
+SELF_LENS = [70, 0, 1, 130, 9]
+
+
+def test_causal_self_attention_interpret():
+  _check_case(
+    SELF_LENS,
+    None,
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.float16,
+    causal=True,
+    tail=5,
+    seed=1,
+  )
+
+
+def test_cross_attention_odd_group_interpret():
+  # Few candidate queries over a longer history (stage 2), with the same
+  # edge cases on the key side: a sequence with keys but no queries (zero
+  # dK/dV), one with queries but no keys (zero output), length 1, a long one;
+  # a group of 3 query heads per KV head (one head per CTA).
+  _check_case(
+    [3, 0, 5, 2, 1],
+    [140, 7, 0, 64, 1],
+    n=3,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    causal=False,
+    tail=3,
+    seed=3,
+  )
+
+
+def _surplus_identity(s_x, z):
+  """Zero-fill + surplus subtraction, in f32 numpy, stabilized form.
+
+  `s_x`: scores `c * q . k` of one row (log2 units), `z` zero-filled keys.
+  Returns the normalized weights of the real keys.
+  """
+  s_all = np.concatenate([s_x, np.zeros(z, np.float32)]).astype(np.float32)
+  m = s_all.max()  # may be one of the zero-fill scores
+  e = np.exp2(s_all - m)
+  l_true = e.sum(dtype=np.float32) - np.float32(z) * np.exp2(-m)
+  return e[: len(s_x)] / l_true
+
+
+def test_surplus_subtraction_identity():
+  # Exact softmax of the real scores vs zero-fill + subtraction, with the true
+  # max far above the fill (surplus ~ 2^-60, no effect), just above it, and
+  # below it (the fill's 0 is the row max; cancellation stays tiny).
+  rng = np.random.default_rng(0)
+  for shift in (60.0, 0.5, -3.0, -8.0):
+    s_x = (rng.normal(size=37) + shift).astype(np.float32)
+    want = np.exp2(s_x - s_x.max())
+    want /= want.sum()
+    got = _surplus_identity(s_x, z=27)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=0)
+
+
+def test_surplus_subtraction_kernel_interpret():
+  # The kernel's zero-filled keys give score 0; make real scores either far
+  # above 0 (the stabilized max removes the fill's weight) or all below 0
+  # (the fill's 0 is the running max, the subtraction must be exact).
+  lens = [45, 3, 20]  # the last key tiles are mostly fill, some lead rows
+  off = _offsets(lens)
+  t = int(off[-1])
+  h = 64
+  q0, k0, v, _ = _inputs(7, t, t, 2, 1, h, jnp.float32)
+  direction = jnp.ones((h,), jnp.float32) / np.sqrt(h)
+  k = 0.1 * k0 + direction  # every key points along `direction`
+  for shift in (40.0, -4.0):  # real scores ~ shift, in log2 units
+    q = 0.1 * q0 + direction * (shift * np.sqrt(h) / np.log2(np.e))
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    got = jagged_attention_mosaic(q16, k16, v16, off)
+    want = jagged_attention_reference(
+      *(x.astype(jnp.float32) for x in (q16, k16, v16)), off
+    )
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    assert _rel_err(got, want) < REL_TOL[jnp.bfloat16], shift
+
+
+def test_vmap_interpret():
+  # The model may vmap the op over a leading data-shard axis.
+  lens = np.array([[9, 0, 5], [1, 7, 4]])
+  off = np.stack([_offsets(x) for x in lens])
+  t = 16
+  q, k, v, _ = _inputs(5, 2 * t, 2 * t, 2, 1, 64, jnp.bfloat16)
+  q, k, v = (x.reshape(2, t, *x.shape[1:]) for x in (q, k, v))
+  got = jax.vmap(lambda *a: jagged_attention_mosaic(*a, causal=True))(
+    q, k, v, off
+  )
+  for i in range(2):
+    want = jagged_attention_reference(
+      *(x[i].astype(jnp.float32) for x in (q, k, v)), off[i], causal=True
+    )
+    err = _rel_err(np.asarray(got[i], np.float32), np.asarray(want))
+    assert err < REL_TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_schedule_covers_every_row_once(causal):
+  lens = [70, 0, 1, 130, 9, 2048, 5]
+  kv_lens = [3, 140, 0, 64, 9, 2048, 8]
+  q_off, kv_off = _offsets(lens), _offsets(kv_lens)
+  t, s = int(q_off[-1]) + 11, int(kv_off[-1]) + 4
+  table, sched = mg.query_items(
+    q_off, kv_off, t, block_q=64, block_kv=128, causal=causal
+  )
+  table = np.asarray(table)
+  assert table.shape[0] == schedule.max_items(t, len(lens), 64, mg.ALIGN)
+  covered = np.zeros(t, int)
+  for q_row, lo, hi in table[:, :3]:
+    assert q_row % mg.ALIGN == 0
+    covered[q_row + lo : q_row + hi] += 1
+  np.testing.assert_array_equal(covered, 1)  # every row, once, tail too
+  cost = table[:, 7]
+  real = table[:, 2] > table[:, 1]
+  assert (np.diff(cost[real]) <= 0).all()  # longest first
+  assert not real[real.sum() :].any()  # padding items last
+  kv_table = np.asarray(
+    mg.key_items(
+      q_off,
+      kv_off,
+      s,
+      sched.tile_start_b,
+      block_q=64,
+      block_kv=128,
+      causal=causal,
+    )
+  )
+  covered = np.zeros(s, int)
+  for kv_row, lo, hi in kv_table[:, :3]:
+    covered[kv_row + lo : kv_row + hi] += 1
+  np.testing.assert_array_equal(covered, 1)
+
+
+def test_zigzag_balances_sorted_costs():
+  cost = np.sort(np.random.default_rng(0).integers(1, 100, 40))[::-1]
+  deal = np.asarray(schedule.zigzag_assignment(40, 8))
+  per_worker = [cost[col[col < 40]].sum() for col in deal.T]
+  assert max(per_worker) - min(per_worker) <= cost.max()
+
+
+def test_dispatch():
+  assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
+  fn = dispatch.pick("jagged_attention", IMPLEMENTATIONS, None, "mosaic")
+  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  assert fn is IMPLEMENTATIONS[want]
+  with pytest.raises(ValueError, match="unknown implementation"):
+    jagged_attention(
+      jnp.zeros((4, 2, 64)),
+      jnp.zeros((4, 1, 64)),
+      jnp.zeros((4, 1, 64)),
+      np.array([0, 4], np.int32),
+      implementation="nope",
+    )
+
+
+# Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "h,dtype,causal,cross",
+  [
+    (64, jnp.bfloat16, False, False),
+    (128, jnp.bfloat16, True, False),
+    (128, jnp.float16, False, False),
+    (64, jnp.bfloat16, False, True),
+    (128, jnp.bfloat16, True, True),
+  ],
+)
+def test_gpu_matches_reference(h, dtype, causal, cross):
+  rng = np.random.default_rng(h + causal + 2 * cross)
+  b = 12
+  q_lens = rng.integers(1, 1100, b)
+  q_lens[:3] = [0, 1, 2048]
+  kv_lens = None
+  if cross:
+    q_lens = rng.integers(0, 40, b)
+    kv_lens = rng.integers(0, 1500, b)
+    kv_lens[:2] = [0, 2048]
+  _check_case(
+    list(q_lens),
+    None if kv_lens is None else list(kv_lens),
+    n=8,
+    kh=2,
+    h=h,
+    dtype=dtype,
+    causal=causal,
+    tail=37,
+    seed=11,
+  )
