@@ -19,6 +19,10 @@ from gemjax.data.config import DataConfig
 __all__ = ["Config", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig"]
 
 
+FP8_FORMATS = ("off", "deepseek", "mxfp8")
+FP8_LAYER_FAMILIES = ("attn", "ffn", "input", "heads")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   d_model: int = 64
@@ -40,8 +44,32 @@ class ModelConfig:
   tasks: tuple[str, ...] = ("ctr", "cvr")
   dtype: str = "float32"  # compute dtype; parameters stay float32
   attention_implementation: str | None = None  # None = best for platform
+  # G4 FP8 matmuls (`pallas_kernels.fp8`, layer: `layers.Fp8Dense`): "off",
+  # "deepseek" (1x128 activation / 128x128 weight blocks, the Hopper
+  # default) or "mxfp8" (32x32 blocks). Forward and dX in FP8, dW in BF16.
+  fp8: str = "off"
+  # Layer families computed in FP8 when `fp8` is on: "attn" (Q/K/V/O) and
+  # "ffn" (SwiGLU) of the SeqFormer and cross blocks; "input" (token,
+  # candidate and dense projections) and "heads" (the shared bottom MLP)
+  # are opt-in. The per-task towers always stay f32.
+  fp8_layers: tuple[str, ...] = ("attn", "ffn")
+  # The last N blocks of the depth (SeqFormer blocks, then cross blocks,
+  # in construction order) stay in the compute dtype: the seed keeps the
+  # error-sensitive last layers in BF16. The default 1 is the cross block.
+  fp8_keep_last: int = 1
+  fp8_hadamard: int = 0  # random Hadamard block before quantizing; 0 = off
+  fp8_implementation: str | None = None  # None = best for platform
 
   def __post_init__(self):
+    if self.fp8 not in FP8_FORMATS:
+      raise ValueError(f"fp8={self.fp8!r}: one of {FP8_FORMATS}")
+    bad = set(self.fp8_layers) - set(FP8_LAYER_FAMILIES)
+    if bad:
+      raise ValueError(
+        f"fp8_layers {sorted(bad)} unknown; choose from {FP8_LAYER_FAMILIES}"
+      )
+    if self.fp8_keep_last < 0:
+      raise ValueError(f"fp8_keep_last={self.fp8_keep_last} must be >= 0")
     if not self.head_dim and self.d_model % self.num_heads:
       raise ValueError(
         f"d_model={self.d_model} is not divisible by num_heads="
@@ -119,18 +147,26 @@ def load(name: str, overrides: typing.Sequence[str] = ()) -> Config:
 
 
 def apply_overrides(cfg, overrides: typing.Sequence[str]):
+  """`cfg` with `key=value` overrides, all applied at once (so checks that
+  relate fields, such as `num_categories <= num_items`, see the final
+  values, whatever the order of the overrides)."""
+  updates: dict = {}
   for item in overrides:
     key, sep, raw = item.partition("=")
     if not sep:
       raise ValueError(f"override {item!r} must look like key=value")
+    key = key.strip()
     try:
-      cfg = _set(cfg, key.strip().split("."), raw.strip(), key.strip())
+      path, value = _resolve(cfg, key.split("."), raw.strip(), key)
     except KeyError:
       raise ValueError(
-        f"unknown config key {key.strip()!r}; valid keys: "
-        f"{', '.join(valid_keys(cfg))}"
+        f"unknown config key {key!r}; valid keys: {', '.join(valid_keys(cfg))}"
       ) from None
-  return cfg
+    node = updates
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = value
+  return _replace(cfg, updates)
 
 
 def valid_keys(cfg, prefix: str = "") -> list[str]:
@@ -144,8 +180,9 @@ def valid_keys(cfg, prefix: str = "") -> list[str]:
   return out
 
 
-def _set(obj, path, raw, full_key):
-  fields = {f.name: f for f in dataclasses.fields(obj)}
+def _resolve(obj, path, raw, full_key):
+  """Check `path` names a leaf field of `obj`; parse `raw` to its type."""
+  fields = {f.name for f in dataclasses.fields(obj)}
   head = path[0]
   if head not in fields:
     raise KeyError(full_key)
@@ -153,17 +190,25 @@ def _set(obj, path, raw, full_key):
   if dataclasses.is_dataclass(current):
     if len(path) == 1:
       raise ValueError(f"{full_key!r} is a section; set one of its fields")
-    return dataclasses.replace(
-      obj, **{head: _set(current, path[1:], raw, full_key)}
-    )
+    sub, value = _resolve(current, path[1:], raw, full_key)
+    return [head, *sub], value
   if len(path) > 1:
     raise KeyError(full_key)
   hint = typing.get_type_hints(type(obj))[head]
   try:
-    value = _parse(raw, hint)
+    return [head], _parse(raw, hint)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{full_key}={raw!r}: expected {hint}: {e}") from None
-  return dataclasses.replace(obj, **{head: value})
+
+
+def _replace(obj, updates: dict):
+  return dataclasses.replace(
+    obj,
+    **{
+      k: _replace(getattr(obj, k), v) if isinstance(v, dict) else v
+      for k, v in updates.items()
+    },
+  )
 
 
 def _parse(raw: str, hint):

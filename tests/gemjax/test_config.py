@@ -60,3 +60,13 @@ def test_cli_rejects_bad_key(capsys):
 
   assert main(["--config", "smoke", "--set", "model.nope=1"]) == 2
   assert "valid keys" in capsys.readouterr().err
+
+
+def test_related_fields_are_checked_after_all_overrides():
+  """Shrinking two related tables works in either order."""
+  for order in ([0, 1], [1, 0]):
+    items = ["data.num_items=50", "data.num_categories=10"]
+    cfg = config.load("onetrans_v31", [items[i] for i in order])
+    assert (cfg.data.num_items, cfg.data.num_categories) == (50, 10)
+  with pytest.raises(ValueError, match="num_categories"):
+    config.load("smoke", ["data.num_categories=6000"])
