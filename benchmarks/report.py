@@ -26,7 +26,9 @@ def met(r) -> str:
   goal = r.get("goal")
   if goal is None:
     return ""
-  x = r["ratio"]
+  x = r.get("ratio")
+  if x is None:
+    return "not measured"
   ok = x <= goal if r.get("lower_is_better") else x >= goal
   return "yes" if ok else "**no**"
 
