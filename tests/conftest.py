@@ -17,6 +17,7 @@ def pytest_collection_modifyitems(config, items):
       if "gpu" in item.keywords:
         item.add_marker(skip)
 
+
 # Many tests train tiny models with identical shapes: a persistent compilation
 # cache (shared by the xdist workers) compiles each program once per session.
 jax.config.update(

@@ -6,8 +6,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob(
-  "*.ipynb"))
+NOTEBOOKS = sorted(
+  (pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb")
+)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -16,5 +17,9 @@ def test_notebook_runs(path, tmp_path):
   for cell in nb.cells:
     if cell.cell_type == "code":
       assert not cell.outputs, f"{path.name}: commit notebooks without outputs"
-  NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": str(path.parents[1])}}).execute()
+  NotebookClient(
+    nb,
+    timeout=600,
+    kernel_name="python3",
+    resources={"metadata": {"path": str(path.parents[1])}},
+  ).execute()

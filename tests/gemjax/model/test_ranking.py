@@ -12,10 +12,23 @@ from gemjax.config import ModelConfig
 from gemjax.model.ranking import RankingModel
 from tests.batches import random_batch
 
-VOCAB = dict(item_id=64, category_id=12, action=4, ts_delta=16, ts_to_req=16,
-             price=16, user_id=8)
-CFG = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  emb_dim=32, head_hidden=(32,))
+VOCAB = dict(
+  item_id=64,
+  category_id=12,
+  action=4,
+  ts_delta=16,
+  ts_to_req=16,
+  price=16,
+  user_id=8,
+)
+CFG = ModelConfig(
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  emb_dim=32,
+  head_hidden=(32,),
+)
 MAX_LEN, MAX_CANDS, T, C = 9, 4, 24, 12
 
 
@@ -35,21 +48,23 @@ def test_requests_do_not_see_each_other(lengths):
   """Changing request 0's history never moves another request's scores."""
   g, st = make()
   cand_counts = [3, 2, 4, 3]
-  b1 = random_batch(VOCAB, lengths, cand_counts, token_capacity=T,
-                    cand_capacity=C, seed=1)
+  b1 = random_batch(
+    VOCAB, lengths, cand_counts, token_capacity=T, cand_capacity=C, seed=1
+  )
   seq2 = {k: v.copy() for k, v in b1.seq.items()}
   n0 = lengths[0]
   rng = np.random.default_rng(7)
   for k, v in seq2.items():
     v[:n0] = rng.integers(0, VOCAB[k], n0)
-    v[sum(lengths):] = rng.integers(0, VOCAB[k], T - sum(lengths))  # tail
+    v[sum(lengths) :] = rng.integers(0, VOCAB[k], T - sum(lengths))  # tail
   b2 = dataclasses.replace(b1, seq=seq2)
   f = jax.jit(logits, static_argnums=0)
   o1, o2 = f(g, st, b1), f(g, st, b2)
   assert np.all(np.isfinite(o1)) and np.all(np.isfinite(o2))
   first = cand_counts[0]
-  np.testing.assert_array_equal(o1[first:sum(cand_counts)],
-                                o2[first:sum(cand_counts)])
+  np.testing.assert_array_equal(
+    o1[first : sum(cand_counts)], o2[first : sum(cand_counts)]
+  )
   if n0:
     assert not np.allclose(o1[:first], o2[:first])
 
@@ -58,8 +73,9 @@ def test_zero_length_and_tail_get_zero_gradients():
   """Rows of the buffer tail get exactly zero gradient; everything finite."""
   g, st = make()
   lengths, cands = [0, 1, 7, 0], [2, 3, 1, 2]
-  b = random_batch(VOCAB, lengths, cands, token_capacity=T, cand_capacity=C,
-                   seed=2)
+  b = random_batch(
+    VOCAB, lengths, cands, token_capacity=T, cand_capacity=C, seed=2
+  )
   used = sum(lengths)
   seq = {k: v.copy() for k, v in b.seq.items()}
   # The tail reads item rows 60..63, which nothing else reads.

@@ -12,14 +12,27 @@ from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.loop import Trainer, train, upscaled_start
 
 TINY = [
-  "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
-  "model.num_kv_heads=2", "model.head_hidden=32",
-  "data.max_seq_len=32", "data.len_median=12", "data.requests_per_shard=4",
-  "data.token_capacity=192", "data.cand_capacity=64", "data.max_cands=8",
-  "data.eval_requests=64", "data.num_items=500", "data.num_categories=20",
-  "data.num_users=400", "data.prefetch=0",
-  "train.steps=4", "train.log_every=1", "train.checkpoint_every=2",
-  "train.progress=false", "mesh.data_shards=8",
+  "model.d_model=32",
+  "model.num_layers=2",
+  "model.num_heads=4",
+  "model.num_kv_heads=2",
+  "model.head_hidden=32",
+  "data.max_seq_len=32",
+  "data.len_median=12",
+  "data.requests_per_shard=4",
+  "data.token_capacity=192",
+  "data.cand_capacity=64",
+  "data.max_cands=8",
+  "data.eval_requests=64",
+  "data.num_items=500",
+  "data.num_categories=20",
+  "data.num_users=400",
+  "data.prefetch=0",
+  "train.steps=4",
+  "train.log_every=1",
+  "train.checkpoint_every=2",
+  "train.progress=false",
+  "mesh.data_shards=8",
 ]
 
 
@@ -48,12 +61,14 @@ def test_one_device_equals_eight(tmp_path):
   one = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, node=1))
   train(one, tmp_path / "one", devices=jax.devices()[:1])
   train(cfg, tmp_path / "eight")
-  np.testing.assert_allclose(losses(tmp_path / "one"),
-                             losses(tmp_path / "eight"), rtol=2e-5)
+  np.testing.assert_allclose(
+    losses(tmp_path / "one"), losses(tmp_path / "eight"), rtol=2e-5
+  )
   s1, _ = final_state(tmp_path / "one", one, jax.devices()[:1])
   s8, _ = final_state(tmp_path / "eight", cfg)
-  for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s8["params"]),
-                  strict=True):
+  for a, b in zip(
+    jax.tree.leaves(s1["params"]), jax.tree.leaves(s8["params"]), strict=True
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -75,8 +90,11 @@ def test_resume_is_bit_identical(tmp_path):
 @pytest.mark.parametrize("name", config.available_configs())
 def test_every_config_runs_one_step(name, tmp_path):
   """The full model of every config builds and takes a step (small data)."""
-  cfg = config.load(name, [o for o in TINY if o.startswith(("data.", "train."))]
-                    + ["train.steps=1", "mesh.data_shards=0"])
+  cfg = config.load(
+    name,
+    [o for o in TINY if o.startswith(("data.", "train."))]
+    + ["train.steps=1", "mesh.data_shards=0"],
+  )
   result = train(cfg, tmp_path)
   assert set(result) == set(cfg.model.tasks)
   assert losses(tmp_path) and np.isfinite(losses(tmp_path)[0])
@@ -87,16 +105,20 @@ def test_upscale_copies_blocks_by_layer_map(tmp_path):
   train(shallow, tmp_path / "shallow")
   deep = tiny("model.num_layers=5", "train.steps=1")
   layer_map = (0, 1, 2, 1, 2)
-  upscaled_start(Trainer.create(shallow, tmp_path / "shallow"),
-                 Trainer.create(deep, tmp_path / "deep"), layer_map)
+  upscaled_start(
+    Trainer.create(shallow, tmp_path / "shallow"),
+    Trainer.create(deep, tmp_path / "deep"),
+    layer_map,
+  )
   src, _ = final_state(tmp_path / "shallow", shallow)
   dst, _ = final_state(tmp_path / "deep", deep)
   assert int(dst["step"]) == 0
   old = src["params"]["seqformer"]["blocks"]
   new = dst["params"]["seqformer"]["blocks"]
   for i, j in enumerate(layer_map):
-    for x, y in zip(jax.tree.leaves(new[i]), jax.tree.leaves(old[j]),
-                    strict=True):
+    for x, y in zip(
+      jax.tree.leaves(new[i]), jax.tree.leaves(old[j]), strict=True
+    ):
       np.testing.assert_array_equal(x, y)
   train(deep, tmp_path / "deep")  # and it trains on from there
   assert len(losses(tmp_path / "deep")) == 1
