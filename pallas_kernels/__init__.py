@@ -2,15 +2,34 @@
 
 Each op has a plain-`jnp` reference beside it (`*_reference`), which is also
 the `implementation="xla"` path. This package knows nothing about models.
+
+FP8 (G4): `fp8_quantize` / `fp8_dequantize` (aliases of
+`pallas_kernels.fp8.quantize` / `dequantize`) make and undo an `Fp8Tensor`;
+`fp8_dot_general` is `lax.dot_general` in FP8 with block scales;
+`rms_norm(..., quantize=Fp8Output(...))` returns its output as an
+`Fp8Tensor` for the next FP8 matmul.
 """
 
+from pallas_kernels.fp8 import (
+  Fp8Tensor,
+  fp8_dot_general,
+  fp8_dot_general_reference,
+)
+from pallas_kernels.fp8 import dequantize as fp8_dequantize
+from pallas_kernels.fp8 import quantize as fp8_quantize
 from pallas_kernels.jagged_attention import (
   jagged_attention,
   jagged_attention_reference,
 )
-from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.rms_norm import Fp8Output, rms_norm, rms_norm_reference
 
 __all__ = [
+  "Fp8Output",
+  "Fp8Tensor",
+  "fp8_dequantize",
+  "fp8_dot_general",
+  "fp8_dot_general_reference",
+  "fp8_quantize",
   "jagged_attention",
   "jagged_attention_reference",
   "rms_norm",

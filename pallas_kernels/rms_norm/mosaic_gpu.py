@@ -57,9 +57,23 @@ gamma): the backward runs at 95-99% of the device copy bandwidth, 2.6-3.0x
 XLA's fused VJP; the forward at 88-91%, 1.17-1.18x XLA: it writes as many
 bytes as it reads, and here a written byte costs more than a read one.
 
-Extension point: the fused FP8 output (G4) needs one more output buffer and
-a per-block scale computed from the same `y` registers in `_fwd_kernel`;
-outputs are kept in lists so one can be added without touching the pipeline.
+Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
+quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
+scale per 1x128 block `s [t, d/128]` (the "deepseek" activation format of
+`pallas_kernels.fp8`), so the next matmul reads 8 bits per element instead
+of re-reading `y` to quantize it. From the `y` registers (rounded to the
+output dtype first, so the result is bit-identical to `fp8.quantize` of the
+returned `y`): the maximum of each 128-column block of a row is a row
+reduction of `|y|` masked to that block (`d/128` masked reductions; the row
+layout cannot be reshaped to `[m, d/128, 128]` in registers, and the GPU
+interpreter rejects reshaped shared-memory views), then the scales and the
+rounding use `pallas_kernels.fp8.format`'s integer arithmetic. Values
+`[m, d]` and scales `[d/128, m]` per tile leave by bulk copy with `y`; the
+scales go to an array of whole tiles (a bulk copy moves a multiple of 16
+bytes, which a ragged tail of `(t mod m)·d/128` f32 need not be), which the
+caller transposes to `[t, d/128]` and cuts (1/64 of `y`'s bytes at bf16).
+Cost: about `2·d/128` selects and `d/128` row reductions per element on top
+of the ~30 integer operations of the rounding, on data already in registers.
 """
 
 import dataclasses
@@ -72,7 +86,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.fp8 import format as fp8_format
+
 H200_NUM_SMS = 132
+# The fused FP8 output's block: 1x128 ("deepseek" activations).
+QUANT_BLOCK = 128
 # Shared memory we let one block use (the H200 allows 227 KiB per block).
 _SMEM_BUDGET = 200 * 1024
 
@@ -167,6 +185,12 @@ class _Config:
   num_blocks: int
   interpret: bool
   direct_stores: bool = False
+  quantize: bool = False  # forward: also e4m3 values + 1x128 block scales
+
+  @property
+  def q_blocks(self) -> int:
+    """Scale blocks per row of the fused FP8 output."""
+    return self.d // QUANT_BLOCK
 
   @property
   def num_tiles(self) -> int:
@@ -182,11 +206,32 @@ class _Config:
     return _row_layout(self.d, itemsize, self.warps_per_row)
 
 
+def quantize_supported(d: int, dtype) -> bool:
+  """Whether the forward can fuse the 1x128 FP8 output for rows of `d`."""
+  return supported(d, dtype) and d % QUANT_BLOCK == 0
+
+
 def make_config(
-  t, d, dtype, gamma_dtype, has_residual, eps, block_sizes, interpret, *, bwd
+  t,
+  d,
+  dtype,
+  gamma_dtype,
+  has_residual,
+  eps,
+  block_sizes,
+  interpret,
+  *,
+  bwd,
+  quantize: bool = False,
 ) -> _Config:
   itemsize = jnp.dtype(dtype).itemsize
   bs = block_sizes or BlockSizes()
+  if quantize:
+    if bwd or not quantize_supported(d, dtype):
+      raise ValueError(f"no fused FP8 output for {d=} {dtype=} {bwd=}")
+    # The scales are written to SMEM by a function (`store`'s callable
+    # entries), which only the bulk-store path takes.
+    bs = dataclasses.replace(bs, direct_stores=False)
   tile_bytes = bs.tile_bytes or (8 if bwd else 16) * 1024
   max_elems = bs.max_elems or (32 if bwd else 64)
   wpr = bs.warps_per_row
@@ -215,6 +260,8 @@ def make_config(
   fixed = out_slots * n_out * tile + (
     rows * d * 4 if bwd and gamma_dtype else 0
   )
+  if quantize:  # e4m3 values and f32 scales, double-buffered
+    fixed += 2 * (rows * d + rows * (d // QUANT_BLOCK) * 4)
   stages = bs.stages
   if stages is None:
     stages = max(1, min(bs.max_stages, (_SMEM_BUDGET - fixed) // (n_in * tile)))
@@ -232,6 +279,7 @@ def make_config(
     num_blocks=min(bs.num_blocks, num_tiles),
     interpret=interpret,
     direct_stores=bs.direct_stores,
+    quantize=quantize,
   )
 
 
@@ -249,19 +297,32 @@ def _bcast_cols(v_d, cfg: _Config):
   )
 
 
-def _pipeline(cfg: _Config, in_gmem, in_smem, barrier, out_gmem, out_smem):
+def _pipeline(
+  cfg: _Config,
+  in_gmem,
+  in_smem,
+  barrier,
+  out_gmem,
+  out_smem,
+  out_tile_rows=None,
+):
   """Persistent loop over this block's tiles; yields (step, ins, store).
 
   Returns a function `run(body, carry)`: `body(step, row0, in_refs, store,
   carry) -> carry` reads the current tile from `in_refs` and calls
-  `store(values)` once with one array per output.
+  `store(values)` once with one entry per output: an array, or a function
+  that writes the output's shared-memory buffer. `out_tile_rows[i]`: 0 for
+  a `[t, d]` output; else `k`: the output has `k` rows per tile (tile `i`
+  writes rows `i·k ... i·k + k - 1`).
   """
   m, g, s = cfg.block_rows, cfg.num_blocks, cfg.stages
   blk = lax.axis_index("blocks")
   num_steps = (cfg.num_tiles - blk + g - 1) // g
+  out_tile_rows = out_tile_rows or [0] * len(out_gmem)
 
-  def rows(step):
-    return pl.ds((blk + step * g) * m, m)
+  def rows(step, k=0):
+    tile = blk + step * g
+    return pl.ds(tile * m, m) if not k else pl.ds(tile * k, k)
 
   def fetch(step, slot):
     for src, dst in zip(in_gmem, in_smem, strict=True):
@@ -287,13 +348,19 @@ def _pipeline(cfg: _Config, in_gmem, in_smem, barrier, out_gmem, out_smem):
       def store_async(values):
         # The store issued two steps ago from this buffer must have read it.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        for v, buf in zip(values, out_smem, strict=True):
-          buf.at[out_slot][...] = v.astype(buf.dtype)
+        bufs = [buf.at[out_slot] for buf in out_smem]
+        for v, buf in zip(values, bufs, strict=True):
+          if callable(v):
+            v(buf)
+          else:
+            buf[...] = v.astype(buf.dtype)
         plgpu.commit_smem()
-        for i, (buf, dst) in enumerate(zip(out_smem, out_gmem, strict=True)):
+        for i, (buf, dst, k) in enumerate(
+          zip(bufs, out_gmem, out_tile_rows, strict=True)
+        ):
           plgpu.copy_smem_to_gmem(
-            buf.at[out_slot],
-            dst.at[rows(step)],
+            buf,
+            dst.at[rows(step, k)],
             commit_group=i == len(out_smem) - 1,
           )
 
@@ -336,6 +403,33 @@ def _load_gamma(gamma_gmem, cfg: _Config):
   return g.astype(jnp.float32)
 
 
+def _quantize_rows(cfg: _Config, y):
+  """`y [m, d]` (f32 registers) -> e4m3 values and a writer of the scales.
+
+  One power-of-two scale per 1x128 block of a row (G4), the same integer
+  arithmetic as `fp8.quantize` (round to nearest even). Block maxima are
+  row reductions of `|y|` masked to each block.
+  """
+  m, d = cfg.block_rows, cfg.d
+  col = plgpu.broadcasted_iota(jnp.int32, (m, d), 1, layout=cfg.layout)
+  blk = col // QUANT_BLOCK if cfg.q_blocks > 1 else None
+  a = jnp.abs(y)
+  scales, inv = [], None
+  for j in range(cfg.q_blocks):
+    a_j = a if blk is None else jnp.where(blk == j, a, 0.0)
+    s_m, inv_m = fp8_format.pow2_scale(jnp.max(a_j, axis=1))
+    scales.append(s_m)
+    inv_j = _bcast_rows(inv_m, cfg)
+    inv = inv_j if inv is None else jnp.where(blk == j, inv_j, inv)
+  q = fp8_format.round_e4m3(y * inv).astype(fp8_format.E4M3)
+
+  def write_scales(s_buf):  # [d/128, m]
+    for j, s_m in enumerate(scales):
+      s_buf.at[j][...] = s_m
+
+  return q, write_scales
+
+
 def _fwd_kernel(cfg: _Config, *refs):
   it = iter(refs)
   x_gmem = next(it)
@@ -343,9 +437,14 @@ def _fwd_kernel(cfg: _Config, *refs):
   gamma_gmem = next(it) if cfg.gamma_dtype else None
   y_gmem = next(it)
   h_gmem = next(it) if cfg.has_residual else None
+  q_gmem, s_gmem = (next(it), next(it)) if cfg.quantize else (None, None)
   in_smem, out_smem, barrier = next(it), next(it), next(it)
   in_gmem = [x_gmem] + ([r_gmem] if cfg.has_residual else [])
   out_gmem = [y_gmem] + ([h_gmem] if cfg.has_residual else [])
+  tile_rows = [0] * len(out_gmem)
+  if cfg.quantize:
+    out_gmem += [q_gmem, s_gmem]
+    tile_rows += [0, cfg.q_blocks]
   layout = cfg.layout
   gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
   inv_d = 1.0 / cfg.d
@@ -360,10 +459,17 @@ def _fwd_kernel(cfg: _Config, *refs):
     y = h32 * _bcast_rows(lax.rsqrt(ms_m + cfg.eps), cfg)
     if gamma is not None:
       y = y * _bcast_cols(gamma, cfg)
-    store([y, h] if cfg.has_residual else [y])
+    outs = [y, h] if cfg.has_residual else [y]
+    if cfg.quantize:
+      # Quantize `y` as returned (rounded to its dtype), like the reference.
+      y = y.astype(cfg.dtype)
+      outs = [y, *outs[1:], *_quantize_rows(cfg, y.astype(jnp.float32))]
+    store(outs)
     return carry
 
-  _pipeline(cfg, in_gmem, in_smem, barrier, out_gmem, out_smem)(body, ())
+  _pipeline(cfg, in_gmem, in_smem, barrier, out_gmem, out_smem, tile_rows)(
+    body, ()
+  )
 
 
 def _bwd_kernel(cfg: _Config, *refs):
@@ -415,12 +521,18 @@ def _bwd_kernel(cfg: _Config, *refs):
 
 def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
   m, d = cfg.block_rows, cfg.d
+  out_bufs = [
+    plgpu.SMEM((1 if cfg.direct_stores else 2, m, d), cfg.dtype)
+    for _ in range(n_out)
+  ]
+  if cfg.quantize and kernel is _fwd_kernel:
+    out_bufs += [
+      plgpu.SMEM((2, m, d), fp8_format.E4M3),
+      plgpu.SMEM((2, cfg.q_blocks, m), jnp.float32),
+    ]
   scratch = [
     [plgpu.SMEM((cfg.stages, m, d), cfg.dtype) for _ in range(n_in)],
-    [
-      plgpu.SMEM((1 if cfg.direct_stores else 2, m, d), cfg.dtype)
-      for _ in range(n_out)
-    ],
+    out_bufs,
     plgpu.Barrier(num_arrivals=n_in, num_barriers=cfg.stages),
     *extra_scratch,
   ]
@@ -435,7 +547,7 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
     kernel_name=(
       f"rms_norm{kernel.__name__}_d{cfg.d}_m{cfg.block_rows}"
       f"_w{cfg.warps_per_row}_s{cfg.stages}_r{cfg.has_residual:d}"
-      f"_g{cfg.gamma_dtype is not None:d}"
+      f"_g{cfg.gamma_dtype is not None:d}_q{cfg.quantize:d}"
     ),
     interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
   )
@@ -443,17 +555,33 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
 
 
 def rms_norm_fwd(x_td, gamma_d, residual_td, cfg: _Config):
-  """`[t, d]` rows -> `y` (and `h = x + residual`), in x's dtype."""
+  """`[t, d]` rows -> `y` (and `h = x + residual`), in x's dtype.
+
+  With `cfg.quantize`, two more outputs: e4m3 values `[t, d]` and f32
+  scales `[t, d/128]` of `y` in 1x128 blocks.
+  """
   t, d = x_td.shape
   sds = jax.ShapeDtypeStruct((t, d), x_td.dtype)
   n_in = 1 + cfg.has_residual
   out_type = [sds, sds] if cfg.has_residual else [sds]
+  n_out = len(out_type)
+  if cfg.quantize:
+    out_type += [
+      jax.ShapeDtypeStruct((t, d), fp8_format.E4M3),
+      jax.ShapeDtypeStruct(
+        (cfg.num_tiles * cfg.q_blocks, cfg.block_rows), jnp.float32
+      ),
+    ]
   args = [x_td]
   if cfg.has_residual:
     args.append(residual_td)
   if cfg.gamma_dtype:
     args.append(gamma_d)
-  outs = _call(_fwd_kernel, cfg, out_type, n_in, len(out_type), [], *args)
+  outs = list(_call(_fwd_kernel, cfg, out_type, n_in, n_out, [], *args))
+  if cfg.quantize:
+    # Per tile `[d/128, m]` -> `[t, d/128]`.
+    s = outs[-1].reshape(cfg.num_tiles, cfg.q_blocks, cfg.block_rows)
+    outs[-1] = s.transpose(0, 2, 1).reshape(-1, cfg.q_blocks)[:t]
   return tuple(outs)
 
 
@@ -486,12 +614,16 @@ def smem_bytes(cfg: _Config, *, bwd: bool) -> int:
   n_out = 1 if bwd else 1 + cfg.has_residual
   acc = cfg.block_rows * cfg.d * 4 if bwd and cfg.gamma_dtype else 0
   out_slots = 1 if cfg.direct_stores else 2
-  return cfg.stages * n_in * tile + out_slots * n_out * tile + acc
+  quant = 0
+  if cfg.quantize and not bwd:
+    quant = 2 * cfg.block_rows * (cfg.d + cfg.q_blocks * 4)
+  return cfg.stages * n_in * tile + out_slots * n_out * tile + acc + quant
 
 
 __all__ = [
   "BlockSizes",
   "make_config",
+  "quantize_supported",
   "rms_norm_bwd",
   "rms_norm_fwd",
   "smem_bytes",

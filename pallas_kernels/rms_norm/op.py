@@ -1,11 +1,19 @@
 """Public RMSNorm op: dispatch between implementations, `custom_vjp` (O11).
 
-`rms_norm(x, gamma=None, residual=None, *, eps)` normalizes over the last
-axis of any `[..., d]` array (the packed `[t, d]` token buffer, or
-`[t, n, h]` for QK-norm with gamma `[h]`); with `residual` it returns
+`rms_norm(x, gamma=None, residual=None, *, eps, quantize=None)` normalizes
+over the last axis of any `[..., d]` array (the packed `[t, d]` token buffer,
+or `[t, n, h]` for QK-norm with gamma `[h]`); with `residual` it returns
 `(y, x + residual)`. On GPU it runs the Mosaic GPU kernels of
 `mosaic_gpu.py`; elsewhere, and for shapes those kernels do not cover, the
 plain-`jnp` reference (`implementation="xla"`).
+
+`quantize` (an `Fp8Output` or a format name, G4) returns `y` as an
+`Fp8Tensor` (source `y`) for the next FP8 matmul. The Mosaic forward fuses
+the 1x128 ("deepseek") quantization into the norm kernel when `d` is a
+multiple of 128 and there is no Hadamard transform; other settings
+(32x32 "mxfp8" blocks need 32 rows that different warps own; Hadamard
+needs a matmul) quantize the kernel's `y` with `fp8.quantize` afterwards.
+Either way the result is bit-identical to the reference's.
 """
 
 import dataclasses
@@ -15,8 +23,13 @@ import math
 import jax
 
 from pallas_kernels import dispatch
+from pallas_kernels.fp8 import Fp8Tensor
 from pallas_kernels.rms_norm import mosaic_gpu
-from pallas_kernels.rms_norm.reference import rms_norm_reference
+from pallas_kernels.rms_norm.reference import (
+  as_fp8_output,
+  quantize_output,
+  rms_norm_reference,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +39,7 @@ class _Static:
   bwd_block_sizes: mosaic_gpu.BlockSizes | None
   interpret: bool
   has_residual: bool
+  quantize: bool = False  # fused 1x128 FP8 output of the forward
 
 
 def _config(x_td, gamma, residual, static: _Static, *, bwd: bool):
@@ -40,11 +54,13 @@ def _config(x_td, gamma, residual, static: _Static, *, bwd: bool):
     static.bwd_block_sizes if bwd else static.fwd_block_sizes,
     static.interpret,
     bwd=bwd,
+    quantize=static.quantize and not bwd,
   )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rms_norm_td(x_td, gamma_d, residual_td, static: _Static):
+  """`(y, [h], [q, s])`: always a tuple (see `mosaic_gpu.rms_norm_fwd`)."""
   out, _ = _fwd(x_td, gamma_d, residual_td, static)
   return out
 
@@ -52,16 +68,17 @@ def _rms_norm_td(x_td, gamma_d, residual_td, static: _Static):
 def _fwd(x_td, gamma_d, residual_td, static: _Static):
   cfg = _config(x_td, gamma_d, residual_td, static, bwd=False)
   outs = mosaic_gpu.rms_norm_fwd(x_td, gamma_d, residual_td, cfg)
-  if residual_td is None:
-    (y,) = outs
-    return y, (x_td, gamma_d)  # without a residual, h is x
-  y, h = outs
-  return (y, h), (h, gamma_d)
+  # Without a residual, h is x.
+  h = outs[1] if static.has_residual else x_td
+  return tuple(outs), (h, gamma_d)
 
 
 def _bwd(static: _Static, res, ct):
   h_td, gamma_d = res
-  dy, dh_out = ct if static.has_residual else (ct, None)
+  # The quantized outputs' cotangents are ignored: gradients of an FP8 use
+  # of `y` come back through `y` (straight-through, see `fp8.Fp8Tensor`).
+  dy = ct[0]
+  dh_out = ct[1] if static.has_residual else None
   cfg = _config(h_td, gamma_d, dh_out, static, bwd=True)
   dh, dgamma = mosaic_gpu.rms_norm_bwd(h_td, dy, dh_out, gamma_d, cfg)
   if dgamma is not None:
@@ -79,11 +96,13 @@ def rms_norm_mosaic(
   residual=None,
   *,
   eps: float = 1e-6,
+  quantize=None,
   fwd_block_sizes: mosaic_gpu.BlockSizes | None = None,
   bwd_block_sizes: mosaic_gpu.BlockSizes | None = None,
   interpret: bool | None = None,
 ):
   """RMSNorm through the Mosaic GPU kernels (GPU interpret mode on CPU)."""
+  q = as_fp8_output(quantize)
   d = x.shape[-1]
   t = math.prod(x.shape[:-1])
   fits = (
@@ -93,18 +112,44 @@ def rms_norm_mosaic(
     and (gamma is None or gamma.shape == (d,))
   )
   if not fits:
-    return rms_norm_reference(x, gamma, residual, eps=eps)
+    return rms_norm_reference(x, gamma, residual, eps=eps, quantize=q)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  fused = (
+    q is not None
+    and q.activation_block == (1, mosaic_gpu.QUANT_BLOCK)
+    and q.hadamard is None
+    and mosaic_gpu.quantize_supported(d, x.dtype)
+  )
   static = _Static(
-    eps, fwd_block_sizes, bwd_block_sizes, interpret, residual is not None
+    eps,
+    fwd_block_sizes,
+    bwd_block_sizes,
+    interpret,
+    residual is not None,
+    fused,
   )
   r_td = None if residual is None else residual.reshape(t, d)
-  out = _rms_norm_td(x.reshape(t, d), gamma, r_td, static)
+  outs = _rms_norm_td(x.reshape(t, d), gamma, r_td, static)
+  y = outs[0].reshape(x.shape)
+  if fused:
+    v_td, s_tC = outs[-2:]
+    y = Fp8Tensor(
+      values=v_td.reshape(x.shape),
+      scales=s_tC,
+      source=y,
+      shape=tuple(x.shape),
+      axis=x.ndim - 1,
+      block=(1, mosaic_gpu.QUANT_BLOCK),
+      hadamard=None,
+      hadamard_seed=q.hadamard_seed,
+      dtype=y.dtype,
+    )
+  elif q is not None:
+    y = quantize_output(y, q, implementation="mosaic")
   if residual is None:
-    return out.reshape(x.shape)
-  y, h = out
-  return y.reshape(x.shape), h.reshape(x.shape)
+    return y
+  return y, outs[1].reshape(x.shape)
 
 
 IMPLEMENTATIONS = {"xla": rms_norm_reference, "mosaic": rms_norm_mosaic}
@@ -117,6 +162,7 @@ def rms_norm(
   *,
   eps: float = 1e-6,
   implementation: str | None = None,
+  quantize=None,
 ):
   """RMSNorm over the last axis; with `residual`, returns `(y, x + residual)`.
 
@@ -127,8 +173,10 @@ def rms_norm(
     eps: added to the mean square.
     implementation: `None` (Mosaic GPU kernel on GPU, XLA elsewhere) or one
       of `IMPLEMENTATIONS`; "mosaic" on CPU runs in GPU interpret mode.
+    quantize: None, or an `Fp8Output` / format name ("deepseek", "mxfp8"):
+      `y` is returned as an `Fp8Tensor` quantized along `d` (G4).
   """
   fn = dispatch.pick(
     "rms_norm", IMPLEMENTATIONS, implementation, gpu_default="mosaic"
   )
-  return fn(x, gamma, residual, eps=eps)
+  return fn(x, gamma, residual, eps=eps, quantize=quantize)
