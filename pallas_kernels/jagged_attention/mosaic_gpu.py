@@ -50,14 +50,13 @@ adds nothing to `o`. So after the last tile
 is the exact denominator, where `z` (known from the lengths) is the number of
 zero-filled keys the row saw: `steps * bkv - L_kv` (with causal masking, the
 `lead` ones before the sequence plus those past its end at positions `<= p`).
-The row max `m` may be the surplus 0 rather than the true max; the stabilized
-form stays
-exact in exact arithmetic, and in f32 the subtraction loses about
-`z * 2^-24 / sum_x 2^(s_x - m)` relatively, negligible unless every true score
-of a row is far (> ~10 nats) below zero -- QK-norm keeps scores bounded. The
-test `test_surplus_subtraction_*` checks this against the reference, with
-large positive scores (max far above the zero terms) and with moderate
-negative ones (the zeros are the max).
+The row max `m` may be the surplus 0 rather than the true max; the
+stabilized form stays exact in exact arithmetic, and in f32 the subtraction
+loses about `z * 2^-24 / sum_x 2^(s_x - m)` relatively, negligible unless
+every true score of a row is far (> ~10 nats) below zero -- QK-norm keeps
+scores bounded. The tests `test_surplus_subtraction_*` check this against
+the reference, with large positive scores (max far above the zero terms) and
+with moderate negative ones (the zeros are the max).
 
 Query rows outside a sequence (lead rows, rows past the end) are computed
 (they are other sequences' rows, finite) and never written back: the output
@@ -65,9 +64,9 @@ tile leaves through a plain shared-memory buffer with a ladder of TMA stores
 of 64, 32, ..., 1 rows chosen by the bits of the valid row count (the
 technique of JAX's ragged_dot), starting at the first valid row. The saved
 `lse` of such rows is `+inf` (tile-padded layout `[n, i * 64]`), so in the
-backward their
-`P = 2^(s - lse)` is exactly 0 and they add nothing to dK/dV without a mask.
-In dQ, the zero-filled key rows give `P != 0` but `dS K = 0` and `dP = 0`.
+backward their `P = 2^(s - lse)` is exactly 0 and they add nothing to dK/dV
+without a mask. In dQ, the zero-filled key rows give `P != 0` but `dP = 0`
+and `dS K = 0`.
 Only causal diagonal tiles build a (position) mask. Rows of the buffer tail
 past `offsets[-1]` and rows of sequences without keys get zeros (forward,
 dQ) and sequences without queries get zero dK/dV: the schedule lists those
@@ -82,11 +81,16 @@ KV-head group on the same rows (they share every K/V tile and stop together),
 ping-ponging softmax against the tensor core as in FlashAttention-3. In the
 dK/dV kernel each consumer owns 64 key rows and accumulates dK/dV over all
 `g` query heads of its KV head before one store: the GQA reduction happens
-inside the kernel (O7).
+inside the kernel (O7). With an odd group the forward/dQ CTAs take one head.
 
-Interpret mode (CPU CI) runs the same kernels; only "accumulate into an
-existing wgmma accumulator" (`pl.run_state`, which the GPU interpreter does
-not handle) is replaced by a fresh accumulator plus an add.
+The backward is two kernels (dQ; dK/dV), each recomputing `S` and `P`: 7
+matmul passes where a fused backward with dQ accumulated by TMA reduce-add
+needs 5. That is the main cost left on the table (measured numbers and the
+plan are in .notes/jagged_attention.md).
+
+Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
+live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
+which the GPU interpreter does not handle) becomes `acc + jnp.dot(a, b)`.
 """
 
 import dataclasses

@@ -274,6 +274,7 @@ def test_dispatch():
     (64, jnp.bfloat16, False, True),
     (128, jnp.bfloat16, True, True),
   ],
+  ids=["d64", "d128-causal", "d128-fp16", "d64-cross", "d128-causal-cross"],
 )
 def test_gpu_matches_reference(h, dtype, causal, cross):
   rng = np.random.default_rng(h + causal + 2 * cross)
