@@ -149,6 +149,16 @@ def jagged_attention_mosaic(
   return _attention(static, q_tnh, k_skh, v_skh, q_off, kv_off)
 
 
+def mosaic_supports(q_tnh, k_skh) -> bool:
+  """Shapes/dtypes the Mosaic kernels are built and tuned for."""
+  return (
+    q_tnh.dtype in (jnp.bfloat16, jnp.float16)
+    and k_skh.dtype == q_tnh.dtype
+    and q_tnh.shape[-1] in (64, 128)
+    and q_tnh.shape[1] % k_skh.shape[1] == 0
+  )
+
+
 IMPLEMENTATIONS = {
   "xla": jagged_attention_reference,
   "mosaic": jagged_attention_mosaic,
@@ -178,14 +188,17 @@ def jagged_attention(
     causal: query position `p` sees key positions `<= p` of its sequence.
     scale: score scale, default `h ** -0.5`.
     max_len_q, max_len_kv: static upper bounds on one sequence's length.
-    implementation: `None` (Mosaic GPU on a GPU, else "xla"), "mosaic" or
-      "xla" (the plain-`jnp` reference).
+    implementation: `None` (Mosaic GPU on a GPU for bf16/fp16 and head dim
+      64 or 128, else "xla"), "mosaic" or "xla" (the plain-`jnp` reference).
 
   Returns `[t, n, h]`; rows past `q_offsets[-1]` and rows with no visible key
   are zero.
   """
+  gpu_default = "mosaic"
+  if implementation is None and not mosaic_supports(q_tnh, k_skh):
+    gpu_default = "xla"  # e.g. f32 activations or an unusual head dim
   fn = dispatch.pick(
-    "jagged_attention", IMPLEMENTATIONS, implementation, gpu_default="mosaic"
+    "jagged_attention", IMPLEMENTATIONS, implementation, gpu_default
   )
   return functools.partial(
     fn,

@@ -18,6 +18,7 @@ from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import (
   IMPLEMENTATIONS,
   jagged_attention_mosaic,
+  mosaic_supports,
 )
 from pallas_kernels.jagged_attention.reference import (
   jagged_attention_reference,
@@ -253,6 +254,16 @@ def test_dispatch():
   fn = dispatch.pick("jagged_attention", IMPLEMENTATIONS, None, "mosaic")
   want = "mosaic" if jax.default_backend() == "gpu" else "xla"
   assert fn is IMPLEMENTATIONS[want]
+  # f32 activations are not a Mosaic shape: the default falls back to XLA.
+  q32 = jnp.ones((4, 2, 64), jnp.float32)
+  assert not mosaic_supports(q32, q32[:, :1])
+  assert mosaic_supports(
+    q32.astype(jnp.bfloat16), q32[:, :1].astype(jnp.bfloat16)
+  )
+  out = jagged_attention(
+    q32, q32[:, :1], q32[:, :1], np.array([0, 4], np.int32)
+  )
+  np.testing.assert_allclose(out, 1.0, rtol=1e-6)
   with pytest.raises(ValueError, match="unknown implementation"):
     jagged_attention(
       jnp.zeros((4, 2, 64)),
