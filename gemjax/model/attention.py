@@ -13,13 +13,16 @@ GQA (O7): `n` query heads share `k` KV heads (default 8/2, KV memory / 4).
 QK-norm (O8): RMSNorm over the head dim on Q and K after projection.
 All attention goes through `pallas_kernels.jagged_attention`, so the Pallas
 kernel replaces the reference without model changes.
+FP8 (G4, `fp8=` settings): the Q/K/V/O projections are `Fp8Dense`; `x_q`
+and `x_kv` may then be `Fp8Tensor`s from a quantizing norm (quantized once,
+read by all three input projections).
 """
 
 import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from gemjax.model.layers import Dense, RMSNorm, rope
+from gemjax.model.layers import Fp8Settings, RMSNorm, dense, rope
 
 
 class Attention(nnx.Module):
@@ -34,6 +37,7 @@ class Attention(nnx.Module):
     rngs: nnx.Rngs,
     dtype,
     implementation: str | None = None,
+    fp8: Fp8Settings | None = None,
   ):
     if num_heads % num_kv_heads:
       raise ValueError(
@@ -41,26 +45,15 @@ class Attention(nnx.Module):
         f"{num_kv_heads}"
       )
     self.n, self.k, self.h = num_heads, num_kv_heads, head_dim
-    self.q = Dense(
-      d_model, num_heads * head_dim, ("embed", "heads"), rngs=rngs, dtype=dtype
+    kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
+    self.q = dense(d_model, num_heads * head_dim, ("embed", "heads"), **kw)
+    self.k_proj = dense(
+      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw
     )
-    self.k_proj = Dense(
-      d_model,
-      num_kv_heads * head_dim,
-      ("embed", "kv_heads"),
-      rngs=rngs,
-      dtype=dtype,
+    self.v_proj = dense(
+      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw
     )
-    self.v_proj = Dense(
-      d_model,
-      num_kv_heads * head_dim,
-      ("embed", "kv_heads"),
-      rngs=rngs,
-      dtype=dtype,
-    )
-    self.o = Dense(
-      num_heads * head_dim, d_model, ("heads", "embed"), rngs=rngs, dtype=dtype
-    )
+    self.o = dense(num_heads * head_dim, d_model, ("heads", "embed"), **kw)
     self.q_norm = RMSNorm(head_dim, "head_dim") if qk_norm else None
     self.k_norm = RMSNorm(head_dim, "head_dim") if qk_norm else None
     self.implementation = implementation

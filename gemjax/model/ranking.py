@@ -15,6 +15,11 @@ For one jagged batch (see `gemjax.data.jagged`):
 
 A request with an empty history still scores its candidates (its attention
 output is zero); its sequence positions get zero gradients.
+
+FP8 (G4, `cfg.fp8`): which layers run in FP8 is decided by
+`layers.fp8_for`; the cross blocks count after the SeqFormer blocks in the
+depth, the input projections are family "input", the bottom MLP "heads";
+the task towers always stay f32.
 """
 
 import jax
@@ -24,7 +29,7 @@ from flax import nnx
 from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
 from gemjax.model.embeddings import Embeddings
 from gemjax.model.experts import DHEN
-from gemjax.model.layers import Dense, RMSNorm
+from gemjax.model.layers import Dense, RMSNorm, dense, fp8_for
 from gemjax.model.seqformer import Block, SeqFormer
 
 
@@ -49,12 +54,27 @@ class Heads(nnx.Module):
   """Shared bottom MLP, then one tower per task; returns logits `[c, tasks]`."""
 
   def __init__(
-    self, d_in: int, hidden: tuple[int, ...], num_tasks: int, *, rngs, dtype
+    self,
+    d_in: int,
+    hidden: tuple[int, ...],
+    num_tasks: int,
+    *,
+    rngs,
+    dtype,
+    fp8=None,
   ):
     dims = (d_in, *hidden)
     self.bottom = nnx.List(
       [
-        Dense(a, b, ("mlp_in", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
+        dense(
+          a,
+          b,
+          ("mlp_in", "mlp"),
+          rngs=rngs,
+          use_bias=True,
+          dtype=dtype,
+          fp8=fp8,
+        )
         for a, b in zip(dims[:-1], dims[1:], strict=True)
       ]
     )
@@ -90,31 +110,38 @@ class RankingModel(nnx.Module):
     e = cfg.emb_dim
     self.cfg = cfg
     self.embeddings = Embeddings(vocab_sizes, e, rngs=rngs)
-    self.token_proj = Dense(
+    input_fp8 = fp8_for(cfg, "input")
+    self.token_proj = dense(
       len(SEQ_FEATURES) * e,
       cfg.d_model,
       ("table_dim", "embed"),
       rngs=rngs,
       dtype=dtype,
+      fp8=input_fp8,
     )
     self.seqformer = SeqFormer(cfg, rngs=rngs, dtype=dtype)
-    self.cand_proj = Dense(
+    self.cand_proj = dense(
       len(CAND_FEATURES) * e,
       cfg.d_model,
       ("table_dim", "embed"),
       rngs=rngs,
       dtype=dtype,
+      fp8=input_fp8,
     )
-    self.dense_proj = Dense(
+    self.dense_proj = dense(
       max(num_dense, 1),
       cfg.d_model,
       ("dense", "embed"),
       rngs=rngs,
       use_bias=True,
       dtype=dtype,
+      fp8=input_fp8,
     )
     self.cross = nnx.List(
-      [CrossBlock(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.cross_layers)]
+      [
+        CrossBlock(cfg, rngs=rngs, dtype=dtype, index=cfg.num_layers + j)
+        for j in range(cfg.cross_layers)
+      ]
     )
     self.cand_norm = RMSNorm(cfg.d_model, "embed")
     self.heads = Heads(
@@ -123,6 +150,7 @@ class RankingModel(nnx.Module):
       len(cfg.tasks),
       rngs=rngs,
       dtype=dtype,
+      fp8=fp8_for(cfg, "heads"),
     )
     self.num_dense = num_dense
     # G6: optional DHEN expert stack between candidate features and heads.

@@ -9,19 +9,27 @@ Depth (O6): the stack owns `num_layers` distinct blocks and applies them in
 block (e.g. `0,1,2,2,3,3,4`) is the looped-layer control (shared weights,
 more nested depth); copy-and-stack up-scaling (`0,1,2,3,2,3,4`: 5 -> 7
 distinct blocks) is done on the checkpoint by `gemjax.train.upscale`.
+
+FP8 (G4): a block whose attention / FFN runs in FP8 (`layers.fp8_for`) gets
+a norm that returns its output quantized, so the projections read 8 bits.
 """
 
 from flax import nnx
 
 from gemjax.model.attention import Attention, positions
-from gemjax.model.layers import RMSNorm, SwiGLU, swiglu_hidden
+from gemjax.model.layers import RMSNorm, SwiGLU, fp8_for, swiglu_hidden
 
 
 class Block(nnx.Module):
-  """Parameters of one pre-norm block: attention and SwiGLU FFN."""
+  """Parameters of one pre-norm block: attention and SwiGLU FFN.
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, dtype):
-    self.attn_norm = RMSNorm(cfg.d_model, "embed")
+  `index`: the block's depth index, which decides FP8 (`layers.fp8_for`).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, dtype, index: int | None = None):
+    attn_fp8 = fp8_for(cfg, "attn", index)
+    ffn_fp8 = fp8_for(cfg, "ffn", index)
+    self.attn_norm = RMSNorm(cfg.d_model, "embed", quantize=attn_fp8)
     self.attn = Attention(
       cfg.d_model,
       cfg.num_heads,
@@ -31,20 +39,25 @@ class Block(nnx.Module):
       rngs=rngs,
       dtype=dtype,
       implementation=cfg.attention_implementation,
+      fp8=attn_fp8,
     )
-    self.ffn_norm = RMSNorm(cfg.d_model, "embed")
+    self.ffn_norm = RMSNorm(cfg.d_model, "embed", quantize=ffn_fp8)
     self.ffn = SwiGLU(
       cfg.d_model,
       swiglu_hidden(cfg.d_model, cfg.ffn_mult),
       rngs=rngs,
       dtype=dtype,
+      fp8=ffn_fp8,
     )
 
 
 class SeqFormer(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs, dtype):
     self.blocks = nnx.List(
-      [Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)]
+      [
+        Block(cfg, rngs=rngs, dtype=dtype, index=i)
+        for i in range(cfg.num_layers)
+      ]
     )
     self.final_norm = RMSNorm(cfg.d_model, "embed")
     self.order = tuple(cfg.layer_order or range(cfg.num_layers))
