@@ -58,6 +58,9 @@ class ModelConfig:
   # error-sensitive last layers in BF16. The default 1 is the cross block.
   fp8_keep_last: int = 1
   fp8_hadamard: int = 0  # random Hadamard block before quantizing; 0 = off
+  # Weight gradients in FP8 too (default BF16: the seed keeps dW, whose
+  # outliers are worse, in higher precision).
+  fp8_weight_grads: bool = False
   fp8_implementation: str | None = None  # None = best for platform
 
   def __post_init__(self):

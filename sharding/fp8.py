@@ -29,8 +29,10 @@ the strategy's rule table, exactly as the parameters were placed.
 
 Gradients: the returned tensor's `source` is the sharded weight itself, only
 read by the backward (`fp8_dot_general` routes the weight gradient to it),
-so XLA's partitioner reduce-scatters the gradient onto the shards as for any
-FSDP weight, and the forward never gathers the high-precision weight.
+so XLA's partitioner reduces the gradient onto the shards as for any FSDP
+weight (XLA:CPU: an f32 all-reduce, then each device keeps its slice; the
+same as for a BF16/F32 weight), and nothing ever gathers the
+high-precision weight.
 """
 
 import dataclasses

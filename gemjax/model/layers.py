@@ -13,7 +13,8 @@ checkpoint does not care whether FP8 was on): `y = x @ w` computed by
 activation blocks (1x128 "deepseek", 32x32 "mxfp8") and `w` along `d_in` in
 weight blocks (128x128 / 32x32), e4m3 values with power-of-two scales. Its
 `custom_vjp` computes dX in FP8 from the forward's quantized weight and dW in
-BF16 from the dequantized activation (straight-through). `fp8_for(cfg,
+BF16 from the dequantized activation (straight-through; `fp8_weight_grads`
+computes dW in FP8 too). `fp8_for(cfg,
 family, block)` decides per layer from `ModelConfig.fp8*`: the heads, the
 input projections and the last `fp8_keep_last` blocks stay in the compute
 dtype by default.
@@ -97,6 +98,7 @@ class Fp8Settings:
   format: str = "deepseek"
   hadamard: int | None = None
   implementation: str | None = None
+  weight_grads: bool = False  # dW in FP8 (`grad_rhs_fp8`); default BF16
 
   def rms_norm_output(self) -> pallas_kernels.Fp8Output:
     """The fused norm output quantization that feeds this layer."""
@@ -119,6 +121,7 @@ def fp8_for(cfg, family: str, block: int | None = None):
     format=cfg.fp8,
     hadamard=cfg.fp8_hadamard or None,
     implementation=cfg.fp8_implementation,
+    weight_grads=cfg.fp8_weight_grads,
   )
 
 
@@ -192,6 +195,7 @@ class Fp8Dense(Dense):
       preferred_element_type=self.dtype,
       format=self.fp8.format,
       hadamard=self.fp8.hadamard,
+      grad_rhs_fp8=self.fp8.weight_grads,
       implementation=self.fp8.implementation,
     )
     if self.b is not None:

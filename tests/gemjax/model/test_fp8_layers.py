@@ -127,6 +127,25 @@ def test_fp8_dense_within_bound_of_dense(fmt_name, dtype):
   assert _rel(y8, y) < 0.06 and _rel(dx8, dx) < 0.06 and _rel(dw8, dw) < 0.04
 
 
+@pytest.mark.parametrize("fmt_name", ["deepseek", "mxfp8"])
+def test_fp8_weight_grads_option(fmt_name):
+  """`weight_grads=True` (`model.fp8_weight_grads`): dW from FP8 operands,
+  within (2u + u^2) |x|^T.|g| + subnormal terms of the exact dW."""
+  t, d_in, d_out = 37, 192, 96
+  ref, f8 = _layers(fmt_name, jnp.float32, d_in, d_out)
+  f8.fp8 = dataclasses.replace(f8.fp8, weight_grads=True)
+  x = 2 * jax.random.normal(jax.random.key(10), (t, d_in))
+  ct = jax.random.normal(jax.random.key(11), (t, d_out))
+  _, dw, _ = _vjp_of(ref, x, ct)
+  _, dw8, _ = _vjp_of(f8, x, ct)
+  # dW contracts over the t rows: both operands quantized along t.
+  sx = _max_scale(x, 0, "activation", fmt_name)
+  sg = _max_scale(ct, 0, "activation", fmt_name)
+  bound = _bound(x.T, ct, sx, sg, 2 * U + U * U)
+  assert np.all(np.abs(_np(dw8) - _np(dw)) <= bound * 1.001 + 1e-6)
+  assert 0.01 < _rel(dw8, dw) < 0.06  # FP8, not the BF16 path
+
+
 def test_fp8_dense_reads_a_quantized_norm_output():
   """The norm's `Fp8Tensor` output gives the same values and gradients as
   feeding the norm's plain output (quantized by the layer: same bits)."""
@@ -232,6 +251,10 @@ def test_config_checks_and_overrides():
   assert cfg.model.fp8_layers == ("attn", "ffn", "heads")
   assert layers.fp8_for(cfg.model, "heads").hadamard == 32
   assert layers.fp8_for(cfg.model, "input") is None
+  assert not layers.fp8_for(cfg.model, "attn").weight_grads
+  cfg = config.load("smoke", ["model.fp8=deepseek", "model.fp8_weight_grads=1"])
+  assert layers.fp8_for(cfg.model, "ffn", 0).weight_grads
+  assert layers.fp8_for(cfg.model, "ffn", 2) is None  # the cross block
 
 
 def test_ranking_model_fp8_close_to_off():
