@@ -1,0 +1,662 @@
+"""GDPA for Hopper in Pallas Mosaic GPU (G2, O7, O10).
+
+Shapes (legend): `t` packed query rows, `s` packed key/value rows, `b`
+sequences, `n` query heads, `k` KV heads (`g = n // k`), `h` head dim, `i`
+work items, `w` workers (persistent CTAs per head pair). Math (per head,
+`x = scale * q . k`, `a = act`, optionally `/ N` with `N` keys):
+
+    forward   O  = a(X) V
+    backward  dV = a(X)^T dO,   dP = dO V^T,   dX = a'(X) * dP
+              dQ = scale dX K,  dK = scale dX^T Q
+
+No softmax means no running max, no rescaling of the accumulator and no
+logsumexp to save: the backward recomputes `X` from Q and K.
+
+Why a separate kernel (the seed's three techniques). Recommendation shapes
+pair long query sides with short key sides (cross-attention: 2,048
+candidate rows over 16-256 keys) or the reverse (pooled attention: 1-32
+learned queries over a 2K history). With one or two key tiles per query
+tile, a flash-attention kernel has no next key tile to prefetch, and its
+CTAs (one per query tile) mostly wait on their own loads. So:
+
+1. Pipeline over the outer loop. The forward and dQ kernels are
+   persistent: each CTA (one pair of query heads, one "worker") walks a list
+   of query tiles, and its producer warpgroup loads the next tile's Q (and
+   dO) while the consumers compute the current one (ring of 2). Keys and
+   values go through a second ring of `kv_stages` tiles; when a sequence's
+   keys fit in it (`kv_steps <= kv_stages`, the short-KV case) they are
+   loaded once and stay resident for every following tile of the same
+   sequence on that CTA.
+2. Skip empty tiles: the work list is `jagged_attention.mosaic_gpu
+   .query_items` (built from `pallas_kernels.schedule` on device inside
+   `jit`), which holds only tiles with rows, longest first.
+3. Deal zig-zag across SMs: the sorted list is cut into chunks of
+   `deal_chunk` consecutive tiles (consecutive tiles are usually one
+   sequence, so resident keys get reused) and chunks are dealt with
+   `schedule.zigzag_assignment`: worker `w` takes chunks `w, 2W-1-w, 2W+w,
+   ...`, one long and one short per round, so per-SM work is balanced.
+
+Boundaries by zero-fill, as in the jagged kernel (G1), and here even
+simpler: every activation has `a(0) = 0`, so a zero key row contributes
+exactly nothing and needs no correction. Tiles sit on the 8-aligned row
+grid of the jagged kernel; the first and last key tile of each sequence come
+from its zero-filled side buffers (`side_tiles`), so no score is ever
+masked. Query rows outside the sequence are computed and never written
+(ladder of TMA stores). In the dK/dV kernel the *query* side needs the
+same treatment (a garbage query row would add `a(x) dO` to dV): its first
+and last query tiles (and dO tiles) also come from zero-filled side
+buffers; a zero query row gives `a(0) = 0` for dV and `dX * 0 = 0` for dK.
+
+GELU's tanh on the ALUs (G2). `gelu_tanh` needs `tanh(u)`, `u =
+sqrt(2/pi) (x + 0.044715 x^3)`, which on the GPU runs on the special
+function unit (16 results per clock per SM against 128 FMAs). The seed
+replaces it by a degree-6 polynomial, valid because QK-norm bounds the
+scores. We use the odd polynomial `u (c0 + c1 u^2 + c2 u^4)` (the degree-6
+budget; the `u^6` term of an odd function is 0) with least-squares
+coefficients on `|u| <= 1`: max error 4.1e-4 there (`TANH_POLY_ERROR`),
+i.e. for GELU inputs `|x| <= 1.13`, where the GELU error is at most
+`0.5 |x| 4.1e-4 = 2.3e-4`, under half a bf16 ulp of the output. (The
+Taylor coefficients `1, -1/3, 2/15` have that error only up to `|u| = 0.5`
+and 3.8e-2 at 1, so the fit doubles the range at the same cost.) Outside
+`|u| <= TANH_POLY_RANGE` the kernel falls back to the exact `tanh`
+(`tanh="poly"`); `tanh="exact"` always uses it. On the GPU the fallback is
+a per-element select, so both forms are evaluated: the saving needs the
+bound to hold, which is the seed's argument.
+
+Exact GELU needs `erf`, which Mosaic GPU does not lower: it is computed
+with Abramowitz-Stegun 7.1.26 (`|error| <= 1.5e-7`, one `exp` that the
+derivative reuses).
+
+Work split. Forward and dQ: grid `(n // hpc, w)` persistent CTAs, `hpc`
+(1 or 2) consumer warpgroups (one query head each, sharing every K/V tile)
+plus one producer. dK/dV: one CTA per (128-row key tile, KV head), two
+consumers of 64 key rows each, streaming the (Q, dO) tiles of all `g`
+query heads of the KV head: the GQA reduction happens inside the kernel
+(O7). Interpret mode (CPU) runs the same kernels; see
+`jagged_attention.mosaic_gpu._accumulate` for its one substitution.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import schedule
+from pallas_kernels.jagged_attention import mosaic_gpu as jmg
+
+ALIGN = jmg.ALIGN
+SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per CTA
+
+# tanh(u) ~ u (c0 + c1 u^2 + c2 u^4) on |u| <= TANH_POLY_RANGE (module doc).
+TANH_POLY = (0.9969966957, -0.3073168678, 0.0722663395)
+TANH_POLY_RANGE = 1.0
+TANH_POLY_ERROR = 4.2e-4  # max |poly - tanh| on the range (tested)
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+# erf(z) ~ 1 - (a1 t + ... + a5 t^5) exp(-z^2), t = 1 / (1 + p z), z >= 0.
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes; defaults chosen for H200 (not yet tuned on the device)."""
+
+  block_q: int = 64  # query rows per consumer warpgroup
+  block_kv: int = 64  # key rows per step (forward and dQ)
+  kv_stages: int = 2  # K/V ring depth; keys of <= this many tiles stay
+  deal_chunk: int = 4  # consecutive tiles dealt to one worker together
+  num_sms: int = 132  # H200; persistent CTAs = about this many
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"block_q={self.block_q} must be 64 (one warpgroup)")
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"block_kv={self.block_kv}: 64, 128, 192 or 256")
+    if self.kv_stages < 1 or self.deal_chunk < 1 or self.num_sms < 1:
+      raise ValueError("kv_stages, deal_chunk and num_sms must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  activation: str
+  normalize: str | None
+  tanh: str  # "poly" or "exact" (gelu_tanh only)
+  scale: float
+  block_sizes: BlockSizes
+  interpret: object  # None (compile) or plgpu.InterpretGPUParams
+
+
+# --------------------------------------------------------------------------
+# Activations with the ops Mosaic GPU lowers (f32 in, f32 out).
+
+
+def tanh_poly(u):
+  """The polynomial alone (valid on `|u| <= TANH_POLY_RANGE`)."""
+  c0, c1, c2 = TANH_POLY
+  v = u * u
+  return u * (c0 + v * (c1 + v * c2))
+
+
+def _tanh(u, mode: str):
+  if mode == "exact":
+    return jnp.tanh(u)
+  return jmg._select(jnp.abs(u) <= TANH_POLY_RANGE, tanh_poly(u), jnp.tanh(u))
+
+
+def _erf_parts(x):
+  """`(erf(x / sqrt2), exp(-x^2 / 2))` for GELU (A&S 7.1.26)."""
+  z = jnp.abs(x) * (1.0 / math.sqrt(2.0))
+  e = jnp.exp(-(z * z))
+  t = 1.0 / (1.0 + _ERF_P * z)
+  a1, a2, a3, a4, a5 = _ERF_A
+  poly = t * (a1 + t * (a2 + t * (a3 + t * (a4 + t * a5))))
+  y = 1.0 - poly * e
+  return jmg._select(x >= 0.0, y, -y), e
+
+
+def act(x, name: str, tanh: str = "poly"):
+  """`a(x)` in kernel-friendly ops."""
+  if name == "silu":
+    return x / (1.0 + jnp.exp(-x))
+  if name == "gelu":
+    erf, _ = _erf_parts(x)
+    return 0.5 * x * (1.0 + erf)
+  if name == "gelu_tanh":
+    u = _GELU_C * (x + _GELU_A * (x * x * x))
+    return 0.5 * x * (1.0 + _tanh(u, tanh))
+  raise ValueError(name)
+
+
+def act_grad(x, name: str, tanh: str = "poly"):
+  """`a'(x)` in kernel-friendly ops."""
+  if name == "silu":
+    sig = 1.0 / (1.0 + jnp.exp(-x))
+    return sig * (1.0 + x * (1.0 - sig))
+  if name == "gelu":
+    erf, e = _erf_parts(x)
+    return 0.5 * (1.0 + erf) + x * e * (1.0 / math.sqrt(2.0 * math.pi))
+  if name == "gelu_tanh":
+    x2 = x * x
+    th = _tanh(_GELU_C * (x + _GELU_A * (x2 * x)), tanh)
+    du = _GELU_C * (1.0 + (3.0 * _GELU_A) * x2)
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du
+  raise ValueError(name)
+
+
+# --------------------------------------------------------------------------
+# Work lists.
+
+
+def deal(num_items: int, num_real, workers: int, chunk: int):
+  """Zig-zag deal of `chunk`-item runs over `workers` persistent CTAs.
+
+  Returns (`int32[w, j]` item of each worker's j-th step, `int32[w]` real
+  steps per worker). Items `>= num_real` are padding; they come last in the
+  sorted list, so each worker's real steps are a prefix of its row.
+  """
+  n_chunks = -(-num_items // chunk)
+  zz = schedule.zigzag_assignment(n_chunks, workers)  # [rounds, w]
+  ids = zz[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  ids = ids.transpose(1, 0, 2).reshape(workers, -1)  # [w, rounds * chunk]
+  real = ids < num_real
+  return jnp.where(real, ids, 0), real.sum(axis=1).astype(jnp.int32)
+
+
+def num_workers(num_head_groups: int, bs: BlockSizes, num_items: int) -> int:
+  return max(1, min(-(-bs.num_sms // num_head_groups), num_items))
+
+
+def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
+  """Items of the dK/dV kernel: one per `block_kv`-row key tile, longest
+  first (cost: the query tiles it streams).
+
+  Columns: 0 first packed row of the (8-aligned) key tile, 1-2 its valid
+  rows `[lo, hi)`, 3 first packed row of the sequence's aligned query grid,
+  4 query tiles of the sequence, 5 first query tile of this item, 6 query
+  tiles of this item, 7 sequence, 8 key length, 9 split index.
+  """
+  kv_off, q_off = jmg._seq_tables(kv_offsets, s, q_offsets)
+  q_len_b = q_off[1:] - q_off[:-1]
+  kv_len_b = kv_off[1:] - kv_off[:-1]
+  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
+  n_q_b = jnp.where(q_len_b > 0, jmg._cdiv(q_len_b + q_lead_b, block_q), 0)
+  sched = schedule.jagged_tile_schedule(
+    kv_offsets,
+    s,
+    block_kv,
+    align=ALIGN,
+    cost=lambda seq, tile: n_q_b[seq] + 1,
+  )
+  seq, tile, valid = sched.seq_i, sched.tile_i, sched.valid_i
+  kv_pos = tile * block_kv - kv_lead_b[seq]
+  lo = jnp.where(valid, jnp.clip(-kv_pos, 0, block_kv), 0)
+  hi = jnp.where(valid, jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv), 0)
+  n_q = n_q_b[seq]
+  cols = [
+    kv_off[seq] - kv_lead_b[seq] + tile * block_kv,
+    lo,
+    hi,
+    q_off[seq] - q_lead_b[seq],
+    n_q,
+    jnp.zeros_like(n_q),
+    jnp.where(valid, n_q, 0),
+    seq,
+    kv_len_b[seq],
+    jnp.zeros_like(n_q),
+  ]
+  return jnp.stack(cols, axis=1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Forward and dQ: persistent CTAs over query tiles.
+
+
+def _heads_per_cta(n, kh, h, bs, dq: bool):
+  """Query heads per CTA (2 share K/V tiles) if shared memory allows."""
+  group = n // kh
+  hpc = 2 if group % 2 == 0 else 1
+  while hpc > 1 and _query_smem(hpc, h, bs, dq) > SMEM_BYTES:
+    hpc //= 2
+  if _query_smem(hpc, h, bs, dq) > SMEM_BYTES:
+    raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
+  return hpc
+
+
+def _query_smem(hpc, h, bs, dq):
+  q_ring = 2 * hpc * bs.block_q * h * 2 * (2 if dq else 1)  # Q (and dO)
+  kv_ring = bs.kv_stages * bs.block_kv * h * 2 * 2
+  out = hpc * bs.block_q * h * 2
+  return q_ring + kv_ring + out + 1024
+
+
+def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
+  """Forward (`do is None`: returns O) or dQ (returns dQ), `[t, n, h]`.
+
+  `items`: `jagged_attention.mosaic_gpu.query_items` table (sorted),
+  `num_real` its number of real items.
+  """
+  t, n, h = q.shape
+  _, kh, _ = k.shape
+  dtype = q.dtype
+  group = n // kh
+  is_dq = do is not None
+  bs = static.block_sizes
+  hpc = _heads_per_cta(n, kh, h, bs, is_dq)
+  bq, bkv, mcs = bs.block_q, bs.block_kv, bs.kv_stages
+  workers = num_workers(n // hpc, bs, items.shape[0])
+  dealt, counts = deal(items.shape[0], num_real, workers, bs.deal_chunk)
+  name, tanh, scale = static.activation, static.tanh, static.scale
+  hstu = static.normalize == "hstu"
+
+  def kernel(*refs):
+    if is_dq:
+      (items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
+       do_ref, out_ref) = refs[:10]  # fmt: skip
+      scratch = refs[10:]
+    else:
+      (items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
+       out_ref) = refs[:9]  # fmt: skip
+      do_ref = None
+      scratch = refs[9:]
+    if not is_dq:
+      scratch = (scratch[0], None, *scratch[1:])
+    (q_smem, do_smem, k_smem, v_smem, o_smem) = scratch[:5]
+    (q_bar, kv_bar, q_free, kv_free) = scratch[5:]
+    w = lax.axis_index("workers")
+    hp = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_steps = count_ref[w]
+    kv_head = lax.div(hp * hpc, group)
+
+    def item_id(j):
+      return deal_ref[w, jnp.clip(j, 0, dealt.shape[1] - 1)]
+
+    def item(j):
+      it = item_id(j)
+      return [items_ref[it, f] for f in range(11)]
+
+    def reuses(j):
+      """Item j finds its keys resident from item j - 1 (same sequence,
+      all key tiles fit the ring). Both sides evaluate this identically."""
+      cur, prev = item_id(j), item_id(j - 1)
+      return (
+        (j > 0)
+        & (j < n_steps)
+        & (items_ref[prev, 9] == items_ref[cur, 9])
+        & (items_ref[cur, 7] <= mcs)
+      )
+
+    @pl.when(wg < hpc)
+    def _consumer():
+      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      head = hp * hpc + wg
+
+      def body(j, loads):
+        (q_row, lo, hi, _, _, kv_len, _, steps, _, _, _) = item(j)
+        slot = lax.rem(j, 2)
+        reuse = reuses(j)
+        release = jnp.logical_not(reuses(j + 1))
+        base = jnp.where(reuse, loads - steps, loads)
+        plgpu.barrier_wait(q_bar.at[slot])
+        q_tile = q_smem.at[slot, wg]
+        if hstu:
+          mult = jnp.where(kv_len > 0, 1.0 / kv_len.astype(jnp.float32), 0.0)
+        acc = plgpu.layout_cast(
+          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+
+        def step(i, acc):
+          s = lax.rem(base + i, mcs)
+
+          @pl.when(jnp.logical_not(reuse))
+          def _():
+            plgpu.barrier_wait(kv_bar.at[s])
+
+          x = jmg._matmul(q_tile, k_smem.at[s].transpose((1, 0)), (bq, bkv))
+          x = x * scale
+          if is_dq:
+            dp = jmg._matmul(
+              do_smem.at[slot, wg], v_smem.at[s].transpose((1, 0)), (bq, bkv)
+            )
+            ds = act_grad(x, name, tanh) * dp
+            ds = ds * (mult * scale) if hstu else ds * scale
+            acc = jmg._accumulate(acc, ds.astype(dtype), k_smem.at[s], static)
+          else:
+            p = act(x, name, tanh)
+            if hstu:
+              p = p * mult
+            acc = jmg._accumulate(acc, p.astype(dtype), v_smem.at[s], static)
+
+          @pl.when(release)
+          def _():
+            plgpu.barrier_arrive(kv_free.at[s])
+
+          return acc
+
+        acc = lax.fori_loop(0, steps, step, acc)
+        plgpu.barrier_arrive(q_free.at[slot])
+        # The previous tile's stores must have read o_smem before reuse.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_tile = o_smem.at[wg]
+        o_tile[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        jmg._ladder_store(
+          o_tile,
+          lambda r, size: out_ref.at[pl.ds(q_row + r, size), head],
+          lo,
+          hi - lo,
+          bq,
+        )
+        return jnp.where(reuse, loads, loads + steps)
+
+      lax.fori_loop(0, n_steps, body, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == hpc)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue_kv(i, s, kv_row, total, seq):
+        """Key tile i of the item into ring slot s (side tiles at ends)."""
+        from_side = (i == 0) | (i == total - 1)
+        for ref, side, dst in (
+          (k_ref, ks_ref, k_smem),
+          (v_ref, vs_ref, v_smem),
+        ):
+
+          @pl.when(from_side)
+          def _(side=side, dst=dst):
+            which = jnp.where(i == 0, 0, 1)
+            plgpu.copy_gmem_to_smem(
+              side.at[seq, which, :, kv_head], dst.at[s], kv_bar.at[s]
+            )
+
+          @pl.when(jnp.logical_not(from_side))
+          def _(ref=ref, dst=dst):
+            plgpu.copy_gmem_to_smem(
+              ref.at[pl.ds(jmg._aligned(kv_row + i * bkv), bkv), kv_head],
+              dst.at[s],
+              kv_bar.at[s],
+            )
+
+      def body(j, loads):
+        (q_row, _, _, _, kv_row, _, _, steps, total, seq, _) = item(j)
+        slot = lax.rem(j, 2)
+
+        @pl.when(j >= 2)
+        def _():
+          plgpu.barrier_wait(q_free.at[slot])
+
+        rows = pl.ds(jmg._aligned(q_row), bq)
+        for g in range(hpc):
+          plgpu.copy_gmem_to_smem(
+            q_ref.at[rows, hp * hpc + g], q_smem.at[slot, g], q_bar.at[slot]
+          )
+          if is_dq:
+            plgpu.copy_gmem_to_smem(
+              do_ref.at[rows, hp * hpc + g],
+              do_smem.at[slot, g],
+              q_bar.at[slot],
+            )
+        n_load = jnp.where(reuses(j), 0, steps)
+
+        def load(i, loads):
+          s = lax.rem(loads, mcs)
+
+          @pl.when(loads >= mcs)
+          def _():
+            plgpu.barrier_wait(kv_free.at[s])
+
+          issue_kv(i, s, kv_row, total, seq)
+          return loads + 1
+
+        return lax.fori_loop(0, n_load, load, loads)
+
+      loads = lax.fori_loop(0, n_steps, body, jnp.int32(0))
+      # Observe the last releases, so every barrier phase is consumed
+      # before the CTA exits (the interpreter checks; free on the GPU).
+
+      @pl.loop(jnp.maximum(loads - mcs, 0), loads)
+      def _(i):
+        plgpu.barrier_wait(kv_free.at[lax.rem(i, mcs)])
+
+      @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
+      def _(j):
+        plgpu.barrier_wait(q_free.at[lax.rem(j, 2)])
+
+  tile = jmg._smem_tile
+  scratch = [
+    tile((2, hpc, bq, h), dtype),
+    *([tile((2, hpc, bq, h), dtype)] if is_dq else []),
+    tile((mcs, bkv, h), dtype),
+    tile((mcs, bkv, h), dtype),
+    plgpu.SMEM((hpc, bq, h), dtype),
+    plgpu.Barrier(num_arrivals=hpc * (2 if is_dq else 1), num_barriers=2),
+    plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=2),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+  ]
+  args = [items, dealt, counts, q, k, v, k_side, v_side]
+  if is_dq:
+    args.append(do)
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((t, n, h), dtype),
+    scratch_types=scratch,
+    grid=(n // hpc, workers),
+    grid_names=("heads", "workers"),
+    num_threads=hpc + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(*args)
+
+
+# --------------------------------------------------------------------------
+# dK, dV: per key tile, streaming the query tiles of every head of the group.
+
+
+def backward_dkv(q, k, v, do, q_side, do_side, items, static):
+  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group."""
+  t, n, h = q.shape
+  s, kh, _ = k.shape
+  dtype = q.dtype
+  group = n // kh
+  bs = static.block_sizes
+  bq, bkv, mcs = bs.block_q, 64, 2
+  wgs = 2  # consumer warpgroups, bkv key rows each
+  num_items = items.shape[0]
+  name, tanh, scale = static.activation, static.tanh, static.scale
+  hstu = static.normalize == "hstu"
+
+  def kernel(
+    items_ref, q_ref, k_ref, v_ref, do_ref, qs_ref, dos_ref, dk_ref, dv_ref,
+    *scratch,
+  ):  # fmt: skip
+    (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem) = scratch[:6]
+    (kv_bar, q_bar, free) = scratch[6:]
+    it = lax.axis_index("items")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    (kv_row, lo, hi, q_row0, n_q, t0, q_steps, seq, kv_len, _) = [
+      items_ref[it, f] for f in range(10)
+    ]
+    total = q_steps * group
+
+    def coords(j):
+      """Step j -> (query head, query tile)."""
+      per = jnp.maximum(q_steps, 1)
+      return kv_head * group + lax.div(j, per), t0 + lax.rem(j, per)
+
+    @pl.when(hi > lo)
+    def _work():
+      @pl.when(wg < wgs)
+      def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        k_smem = k_smem2.at[wg]
+        v_smem = v_smem2.at[wg]
+        base = jmg._aligned(kv_row + wg * bkv)
+        bar = kv_bar.at[wg]
+        plgpu.copy_gmem_to_smem(
+          k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+        )
+        plgpu.copy_gmem_to_smem(
+          v_ref.at[pl.ds(base, bkv), kv_head], v_smem, bar
+        )
+        plgpu.barrier_wait(bar)
+        zeros = plgpu.layout_cast(
+          jnp.full((bkv, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+        if hstu:
+          mult = jnp.where(kv_len > 0, 1.0 / kv_len.astype(jnp.float32), 0.0)
+
+        def step(j, carry):
+          dk, dv = carry
+          slot = lax.rem(j, mcs)
+          plgpu.barrier_wait(q_bar.at[slot])
+          xt = jmg._matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          xt = xt * scale
+          pt = act(xt, name, tanh)
+          if hstu:
+            pt = pt * mult
+          dv = jmg._accumulate(dv, pt.astype(dtype), do_smem.at[slot], static)
+          dpt = jmg._matmul(
+            v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
+          )
+          dst = act_grad(xt, name, tanh) * dpt
+          dst = dst * (mult * scale) if hstu else dst * scale
+          dk = jmg._accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
+          plgpu.barrier_arrive(free.at[slot])
+          return dk, dv
+
+        dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+        dk_smem = dk_smem2.at[wg]
+        dv_smem = dv_smem2.at[wg]
+        dk_smem[...] = dk.astype(dtype)
+        dv_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
+        my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
+        count = jnp.maximum(my_hi - my_lo, 0)
+        for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
+          jmg._ladder_store(
+            src,
+            lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
+            my_lo,
+            count,
+            bkv,
+          )
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(wg == wgs)
+      def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def issue(j, slot):
+          head, tile = coords(j)
+          from_side = (tile == 0) | (tile == n_q - 1)
+          for ref, side, dst in (
+            (q_ref, qs_ref, q_smem),
+            (do_ref, dos_ref, do_smem),
+          ):
+
+            @pl.when(from_side)
+            def _(side=side, dst=dst):
+              which = jnp.where(tile == 0, 0, 1)
+              plgpu.copy_gmem_to_smem(
+                side.at[seq, which, :, head], dst.at[slot], q_bar.at[slot]
+              )
+
+            @pl.when(jnp.logical_not(from_side))
+            def _(ref=ref, dst=dst):
+              rows = pl.ds(jmg._aligned(q_row0 + tile * bq), bq)
+              plgpu.copy_gmem_to_smem(
+                ref.at[rows, head], dst.at[slot], q_bar.at[slot]
+              )
+
+        for j in range(mcs):
+
+          @pl.when(j < total)
+          def _(j=j):
+            issue(j, j)
+
+        @pl.loop(0, total - mcs)
+        def _(j):
+          slot = lax.rem(j, mcs)
+          plgpu.barrier_wait(free.at[slot])
+          issue(j + mcs, slot)
+
+        @pl.loop(jnp.maximum(total - mcs, 0), total)
+        def _(j):
+          plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
+
+  tile = jmg._smem_tile
+  scratch = [
+    tile((wgs, bkv, h), dtype),
+    tile((wgs, bkv, h), dtype),
+    plgpu.SMEM((wgs, bkv, h), dtype),
+    plgpu.SMEM((wgs, bkv, h), dtype),
+    tile((mcs, bq, h), dtype),
+    tile((mcs, bq, h), dtype),
+    plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
+    plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=wgs, num_barriers=mcs),
+  ]
+  kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
+  return plgpu.kernel(
+    kernel,
+    out_type=[kv_type, kv_type],
+    scratch_types=scratch,
+    grid=(kh, num_items),
+    grid_names=("heads", "items"),
+    num_threads=wgs + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(items, q, k, v, do, q_side, do_side)

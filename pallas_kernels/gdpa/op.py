@@ -1,0 +1,205 @@
+"""Public GDPA op: `custom_vjp` over the Mosaic GPU kernels, and dispatch.
+
+`gdpa(..., implementation=None)` runs the Mosaic GPU kernels
+(`mosaic_gpu.py`) on a GPU for the shapes they cover (bf16/fp16, head dim
+64 or 128) and the plain-`jnp` reference elsewhere; `implementation=
+"mosaic"` on CPU runs the same kernels under Pallas's GPU interpret mode
+(slow; tests only). See `mosaic_gpu.py` for the technique (G2).
+"""
+
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels import dispatch
+from pallas_kernels.gdpa import mosaic_gpu as mg
+from pallas_kernels.gdpa.reference import check_settings, gdpa_reference
+from pallas_kernels.jagged_attention import mosaic_gpu as jmg
+from pallas_kernels.jagged_attention.op import _pad_rows
+from pallas_kernels.jagged_attention.reference import check_offsets
+
+BlockSizes = mg.BlockSizes
+DKV_BLOCK = 128  # key rows per dK/dV CTA (two warpgroups of 64)
+
+
+def _query_side(static, q, k, v, do, q_off, kv_off):
+  """Forward (`do is None`) or dQ on row-padded buffers."""
+  bs = static.block_sizes
+  items, sched = jmg.query_items(
+    q_off,
+    kv_off,
+    q.shape[0],
+    block_q=bs.block_q,
+    block_kv=bs.block_kv,
+    causal=False,
+  )
+  k_side = jmg.side_tiles(k, kv_off, bs.block_kv)
+  v_side = jmg.side_tiles(v, kv_off, bs.block_kv)
+  return mg.query_kernel(
+    q, k, v, k_side, v_side, do, items, sched.num_items, static
+  )
+
+
+def _fwd(static, q, k, v, q_off, kv_off):
+  t = q.shape[0]
+  o = _query_side(
+    static, _pad_rows(q), _pad_rows(k), _pad_rows(v), None, q_off, kv_off
+  )
+  return o[:t], (q, k, v, q_off, kv_off)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdpa(static, q, k, v, q_off, kv_off):
+  return _fwd(static, q, k, v, q_off, kv_off)[0]
+
+
+def _bwd(static, res, do):
+  q, k, v, q_off, kv_off = res
+  t, s = q.shape[0], k.shape[0]
+  q, k, v, do = _pad_rows(q), _pad_rows(k), _pad_rows(v), _pad_rows(do)
+  dq = _query_side(static, q, k, v, do, q_off, kv_off)
+  items = mg.key_items(
+    q_off,
+    kv_off,
+    k.shape[0],
+    block_q=static.block_sizes.block_q,
+    block_kv=DKV_BLOCK,
+  )
+  bq = static.block_sizes.block_q
+  q_side = jmg.side_tiles(q, q_off, bq)
+  do_side = jmg.side_tiles(do, q_off, bq)
+  dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static)
+  return dq[:t], dk[:s], dv[:s], None, None
+
+
+_gdpa.defvjp(_fwd, _bwd)
+
+
+def supported(q_tnh, k_skh, v_skh) -> str | None:
+  """Why the Mosaic kernels cannot take these inputs (None: they can)."""
+  t, n, h = q_tnh.shape
+  if h not in (64, 128):
+    return f"head dim {h} is not 64 or 128"
+  dtype = q_tnh.dtype
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtype {dtype} is not bf16/fp16"
+  if k_skh.dtype != dtype or v_skh.dtype != dtype:
+    return "q, k and v must share one dtype"
+  return None
+
+
+def gdpa_mosaic(
+  q_tnh,
+  k_skh,
+  v_skh,
+  q_offsets,
+  kv_offsets,
+  *,
+  activation: str = "gelu",
+  normalize: str | None = None,
+  scale: float | None = None,
+  tanh: str = "poly",
+  max_len_q: int | None = None,
+  max_len_kv: int | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret=None,
+):
+  """Mosaic GPU GDPA (Hopper); same contract as the reference.
+
+  `tanh`: `"poly"` (polynomial on its valid range, exact tanh outside) or
+  `"exact"`; only `activation="gelu_tanh"` uses it. `interpret=None`
+  compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
+  compiles (cross-lowering checks).
+  """
+  check_settings(activation, normalize)
+  if tanh not in ("poly", "exact"):
+    raise ValueError(f"tanh {tanh!r}: 'poly' or 'exact'")
+  t, n, h = q_tnh.shape
+  s, kh, _ = k_skh.shape
+  if n % kh:
+    raise ValueError(f"query heads {n} must be a multiple of KV heads {kh}")
+  why = supported(q_tnh, k_skh, v_skh)
+  if why:
+    raise ValueError(f"mosaic gdpa: {why}")
+  check_offsets(q_offsets, t, "q_offsets", max_len_q)
+  check_offsets(kv_offsets, s, "kv_offsets", max_len_kv)
+  if interpret is None and jax.default_backend() != "gpu":
+    interpret = plgpu.InterpretGPUParams()
+  elif interpret is False:
+    interpret = None
+  static = mg._Static(
+    activation=activation,
+    normalize=normalize,
+    tanh=tanh,
+    scale=float(h**-0.5 if scale is None else scale),
+    block_sizes=block_sizes or BlockSizes(),
+    interpret=interpret,
+  )
+  q_off = jnp.asarray(q_offsets, jnp.int32)
+  kv_off = jnp.asarray(kv_offsets, jnp.int32)
+  return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+
+
+def _reference(q, k, v, q_off, kv_off, *, tanh="poly", **kw):
+  del tanh  # the reference is exact
+  return gdpa_reference(q, k, v, q_off, kv_off, **kw)
+
+
+IMPLEMENTATIONS = {"xla": _reference, "mosaic": gdpa_mosaic}
+
+
+def gdpa(
+  q_tnh,
+  k_skh,
+  v_skh,
+  q_offsets,
+  kv_offsets,
+  *,
+  activation: str = "gelu",
+  normalize: str | None = None,
+  scale: float | None = None,
+  tanh: str = "poly",
+  max_len_q: int | None = None,
+  max_len_kv: int | None = None,
+  implementation: str | None = None,
+):
+  """Generalized dot-product attention over packed jagged sequences (G2).
+
+  `out = act(scale * Q K^T) V` per sequence, no softmax.
+
+  Args:
+    q_tnh: queries `[t, n, h]`, packed over sequences.
+    k_skh, v_skh: keys and values `[s, k, h]`, `n % k == 0` (GQA).
+    q_offsets, kv_offsets: `int32[b+1]` cumulative query / key lengths
+      (separate: cross and pooled attention have different sides).
+    activation: "gelu" (erf), "gelu_tanh" or "silu".
+    normalize: None, or "hstu" (divide by the sequence's number of keys).
+    scale: score scale, default `h ** -0.5`.
+    tanh: "poly" (degree-6 polynomial where accurate, see `mosaic_gpu`) or
+      "exact"; kernels only (the reference is exact).
+    max_len_q, max_len_kv: static bounds on one sequence's length (the
+      reference pads to them; the kernels only check them).
+    implementation: None (Mosaic GPU on a GPU when the shape is supported,
+      else "xla"), "mosaic" or "xla".
+
+  Returns `[t, n, h]`; rows past `q_offsets[-1]` and rows of sequences
+  without keys are zero.
+  """
+  if implementation is None and supported(q_tnh, k_skh, v_skh):
+    implementation = "xla"
+  fn = dispatch.pick("gdpa", IMPLEMENTATIONS, implementation, "mosaic")
+  return fn(
+    q_tnh,
+    k_skh,
+    v_skh,
+    q_offsets,
+    kv_offsets,
+    activation=activation,
+    normalize=normalize,
+    scale=scale,
+    tanh=tanh,
+    max_len_q=max_len_q,
+    max_len_kv=max_len_kv,
+  )

@@ -1,0 +1,245 @@
+"""GDPA: Mosaic GPU kernels against the plain-jnp reference (G2).
+
+On CPU the kernels run under Pallas's GPU interpret mode (slow, so shapes
+are tiny, but every case packs the edge cases: sequences without queries,
+without keys, of length 1, lengths off the 64-row tile and the 8-row TMA
+grid, one long sequence among short ones, and the buffer tail). A small
+`num_sms` makes each persistent CTA walk several tiles, so the outer-loop
+pipeline and resident keys are exercised. `-m gpu` reruns the checks
+compiled at real shapes on the H200.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.gdpa import gdpa, gdpa_reference
+from pallas_kernels.gdpa import mosaic_gpu as mg
+from pallas_kernels.gdpa.op import IMPLEMENTATIONS, gdpa_mosaic
+from pallas_kernels.gdpa.reference import apply_activation
+
+# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
+# the f32 reference: one rounding of inputs and outputs (2^-8 for bf16)
+# times a small factor; the kernels accumulate in f32.
+REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
+
+
+def _offsets(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _inputs(seed, t, s, n, kh, h, dtype):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (s, kh, h), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _rel_err(got, want):
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
+  q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+  t = int(q_off[-1]) + tail
+  s = int(kv_off[-1]) + tail
+  q, k, v, do = _inputs(seed, t, s, n, kh, h, dtype)
+  bounds = dict(
+    max_len_q=max(int(np.diff(q_off).max()), 1),
+    max_len_kv=max(int(np.diff(kv_off).max()), 1),
+  )
+  block_sizes = kw.pop("block_sizes", None)
+
+  def ours(q, k, v):
+    return gdpa_mosaic(
+      q, k, v, q_off, kv_off, block_sizes=block_sizes, **bounds, **kw
+    )
+
+  def ref(q, k, v):
+    kw_ref = {a: b for a, b in kw.items() if a != "tanh"}
+    return gdpa_reference(q, k, v, q_off, kv_off, **bounds, **kw_ref)
+
+  o, vjp = jax.vjp(ours, q, k, v)
+  got = [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+  with jax.default_matmul_precision("highest"):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    o_r, vjp_r = jax.vjp(ref, *f32[:3])
+    want = [np.asarray(x) for x in (o_r, *vjp_r(f32[3]))]
+  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+    assert np.isfinite(g).all(), name
+    err = _rel_err(g, w)
+    assert err < REL_TOL[dtype], (name, err)
+  # Rows the reference defines as zero are exactly zero: the buffer tail,
+  # queries of sequences without keys, keys of sequences without queries.
+  o, dq, dk, dv = got
+  q_zero = np.ones(t, bool)
+  kv_zero = np.ones(s, bool)
+  for i in range(len(q_lens)):
+    q_zero[q_off[i] : q_off[i + 1]] = kv_off[i + 1] == kv_off[i]
+    kv_zero[kv_off[i] : kv_off[i + 1]] = q_off[i + 1] == q_off[i]
+  assert not o[q_zero].any() and not dq[q_zero].any()
+  assert not dk[kv_zero].any() and not dv[kv_zero].any()
+
+
+SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
+
+
+def test_cross_attention_gelu_interpret():
+  # Cross-attention shape: longer query sides over short key sides, and
+  # the edge cases on both sides: seq 1 has keys but no queries (zero
+  # dK/dV), seq 2 queries but no keys (zero output), seq 3 one query, seq 0
+  # a long one (70 rows: two query tiles, not a multiple of 64). Group of
+  # 2 query heads per KV head: two consumer warpgroups share the keys.
+  _check_case(
+    [70, 0, 1, 9, 3],
+    [3, 5, 0, 66, 1],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=5,
+    seed=1,
+    activation="gelu",
+    block_sizes=SMALL,
+  )
+
+
+def test_pooled_attention_gelu_tanh_interpret():
+  # Pooled shape: a few (learned) queries over long histories, 130 keys =
+  # three 64-row key tiles, more than the 2-stage ring holds (streamed,
+  # not resident). Default scale on unit-normal inputs puts the GELU
+  # inputs on both sides of the polynomial's range (fallback exercised).
+  _check_case(
+    [2, 1, 0, 3],
+    [130, 7, 20, 0],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=3,
+    seed=2,
+    activation="gelu_tanh",
+    tanh="poly",
+    block_sizes=SMALL,
+  )
+
+
+def test_self_attention_silu_hstu_odd_group_interpret():
+  # HSTU-style silu(x)/N self-attention, fp16, 3 query heads per KV head
+  # (one head per CTA); lengths 0, 1, 9 and 70 share one buffer.
+  lens = [9, 0, 70, 1]
+  _check_case(
+    lens,
+    lens,
+    n=3,
+    kh=1,
+    h=64,
+    dtype=jnp.float16,
+    tail=2,
+    seed=3,
+    activation="silu",
+    normalize="hstu",
+    block_sizes=SMALL,
+  )
+
+
+def test_tanh_polynomial_error_on_its_range():
+  u = jnp.linspace(-mg.TANH_POLY_RANGE, mg.TANH_POLY_RANGE, 200_001)
+  err = jnp.abs(mg.tanh_poly(u) - jnp.tanh(u)).max()
+  assert err <= mg.TANH_POLY_ERROR, err
+  # ... and the Taylor coefficients would not do on this range.
+  taylor = u - u**3 / 3 + 2 * u**5 / 15
+  assert jnp.abs(taylor - jnp.tanh(u)).max() > 10 * mg.TANH_POLY_ERROR
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
+def test_kernel_activations_match_reference(name):
+  # The kernels' activation and derivative formulas (erf by A&S 7.1.26,
+  # tanh by polynomial + fallback) against jax.nn and autodiff, over a
+  # range far wider than QK-norm allows.
+  x = jnp.linspace(-30.0, 30.0, 60_001)
+  want = apply_activation(x, name)
+  want_grad = jax.vmap(jax.grad(lambda y: apply_activation(y, name)))(x)
+  for tanh in ("poly", "exact"):
+    got = mg.act(x, name, tanh)
+    got_grad = mg.act_grad(x, name, tanh)
+    # Absolute error, scaled by max(1, |x|) (GELU ~ x for large x).
+    scale = jnp.maximum(1.0, jnp.abs(x))
+    tol = 2e-4 if tanh == "poly" and name == "gelu_tanh" else 2e-6
+    assert (jnp.abs(got - want) / scale).max() <= tol, tanh
+    assert (jnp.abs(got_grad - want_grad) / scale).max() <= 2 * tol, tanh
+  zero = jnp.zeros((2,), jnp.float32)
+  assert not mg.act(zero, name).any()  # a zero-filled key adds exactly 0
+
+
+def test_deal_covers_every_item_once():
+  num_items, workers, chunk = 37, 5, 3
+  for num_real in (0, 1, 20, 37):
+    dealt, counts = mg.deal(num_items, num_real, workers, chunk)
+    dealt, counts = np.asarray(dealt), np.asarray(counts)
+    seen = np.concatenate([dealt[w, : counts[w]] for w in range(workers)])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(num_real))
+    # Chunks of consecutive items stay together on one worker.
+    for w in range(workers):
+      row = dealt[w, : counts[w]]
+      starts = row[::chunk]
+      assert (starts % chunk == 0).all()
+
+
+def test_dispatch():
+  assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
+  fn = dispatch.pick("gdpa", IMPLEMENTATIONS, None, "mosaic")
+  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  assert fn is IMPLEMENTATIONS[want]
+  off = np.array([0, 4], np.int32)
+  x = jnp.ones((4, 2, 8), jnp.float32)  # head dim 8: kernels do not apply
+  np.testing.assert_allclose(
+    gdpa(x, x[:, :1], x[:, :1], off, off),
+    gdpa_reference(x, x[:, :1], x[:, :1], off, off),
+  )
+  with pytest.raises(ValueError, match="unknown implementation"):
+    gdpa(x, x[:, :1], x[:, :1], off, off, implementation="nope")
+  with pytest.raises(ValueError, match="activation"):
+    gdpa(x, x[:, :1], x[:, :1], off, off, activation="relu")
+
+
+# Real compilation on the H200 (`pytest -m gpu`), the seed's shapes.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "shape,activation,normalize,h",
+  [
+    ("cross", "gelu", None, 128),
+    ("cross", "gelu_tanh", None, 64),
+    ("pooled", "silu", "hstu", 128),
+    ("self", "gelu", None, 128),
+  ],
+)
+def test_gpu_matches_reference(shape, activation, normalize, h):
+  rng = np.random.default_rng(h + len(shape) + len(activation))
+  b = 12
+  if shape == "cross":
+    q_lens = rng.integers(1, 2049, b)
+    kv_lens = rng.choice([16, 64, 256], b)
+  elif shape == "pooled":
+    q_lens = rng.integers(1, 33, b)
+    kv_lens = np.clip(rng.lognormal(np.log(600), 0.7, b), 1, 2048).astype(int)
+  else:
+    q_lens = rng.integers(1, 1100, b)
+    kv_lens = q_lens
+  q_lens[:2], kv_lens[:2] = [0, 1], [5, 0]
+  _check_case(
+    list(q_lens),
+    list(kv_lens),
+    n=8,
+    kh=2,
+    h=h,
+    dtype=jnp.bfloat16,
+    tail=37,
+    seed=11,
+    activation=activation,
+    normalize=normalize,
+  )
