@@ -15,6 +15,7 @@ from sharding.rules import (
   batch_axes,
   batch_sharding,
   logical_to_spec,
+  state_axes,
   tree_shardings,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
   "batch_sharding",
   "logical_to_spec",
   "make_mesh",
+  "state_axes",
   "tree_shardings",
 ]

@@ -170,6 +170,37 @@ def lookup_pooled(
   )
 
 
+def plan_passes(
+  ids,
+  num_rows: int,
+  *,
+  mesh: Mesh,
+  strategy: str,
+  capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+) -> int:
+  """Exchange passes one lookup of `ids` takes (host numpy, no devices):
+  the most any device needs. `ids` as for `lookup`; 0 = a local table."""
+  import numpy as np
+
+  layout = table_layout(mesh, strategy, num_rows)
+  if not layout.sharded:
+    return 0
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  n = size(layout.exchange)
+  owner_rows = num_rows // n
+  devices = size(rules.batch_axes(mesh, strategy))
+  per = [np.asarray(i).reshape(devices, -1) for i in ids]  # [dev, ...]
+  passes = 0
+  for d in range(devices):
+    flat = np.concatenate([p[d] for p in per])
+    m = flat.size
+    k = max(1, min(m, math.ceil(capacity_factor * m / n)))
+    uniq = np.unique(flat[(flat >= 0) & (flat < num_rows)])
+    counts = np.bincount(uniq // owner_rows, minlength=n)
+    passes = max(passes, -(-int(counts.max(initial=0)) // k))
+  return passes
+
+
 def pool(rows_te, offsets_b, combiner: str = "sum"):
   """`[t, e]` packed rows -> `[b, e]` per-request sums (or means)."""
   t, b = rows_te.shape[0], offsets_b.shape[0] - 1

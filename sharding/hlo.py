@@ -5,9 +5,11 @@ is the only traffic that crosses `cluster`"), so tests and the
 communication model check them where they become true: in the optimized HLO
 that XLA will run. For every collective this gives its kind, its result
 bytes per device, its device groups (all three spellings XLA prints:
-explicit lists, iota `[g,n]<=[dims]T(perm)`, and `mesh[...] {axes}`), and
-whether it sits in a while-loop body (run a data-dependent number of times,
-e.g. the overflow passes of an embedding lookup).
+explicit lists, iota `[g,n]<=[dims]T(perm)`, and `mesh[...] {axes}`), how
+many times the program reaches it (XLA shares one computation between
+identical call sites, e.g. the lookup loops of two same-shaped tables), and
+whether it sits in a while-loop body (run a data-dependent number of times
+per reach, e.g. the overflow passes of an embedding lookup).
 
 `tiers(c, mesh_shape)` names the mesh axes a collective spans: the axes along
 which the devices of one group differ. Device numbers in the groups are
@@ -63,6 +65,7 @@ class Collective:
   bytes: int  # result bytes per device (all operands of a tuple op)
   groups: tuple[tuple[int, ...], ...]  # () = every device, one group
   in_loop: bool  # inside a while body
+  count: int = 1  # call sites reaching it (per loop iteration if in_loop)
 
   @property
   def group_size(self) -> int:
@@ -77,6 +80,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       if " while(" in line:
         loop_bodies.update(_BODY.findall(line))
   loop_comps = _reachable(comps, loop_bodies)
+  counts = _call_counts(comps)
   out = []
   for comp, lines in comps.items():
     for line in lines:
@@ -88,7 +92,11 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       if start:  # async start: (operands, results, ...): count the results
         nbytes //= 2
       groups = _groups(line, kind, num_devices)
-      out.append(Collective(name, kind, nbytes, groups, comp in loop_comps))
+      out.append(
+        Collective(
+          name, kind, nbytes, groups, comp in loop_comps, counts.get(comp, 1)
+        )
+      )
   return out
 
 
@@ -135,6 +143,34 @@ def _computations(text: str) -> dict[str, list[str]]:
       continue
     comps[cur].append(line)
   return comps
+
+
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+
+
+def _callees(line: str) -> list[str]:
+  out = _CALLS.findall(line)
+  for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+    out += [g.strip().lstrip("%") for g in group.split(",")]
+  return out
+
+
+def _call_counts(comps) -> dict[str, int]:
+  """How many call sites reach each computation from the entry (the last
+  computation XLA prints), through calls, loops and branches."""
+  order = list(comps)
+  if not order:
+    return {}
+  counts = {order[-1]: 1}
+  # Callees are printed before their callers: walk callers first.
+  for comp in reversed(order):
+    n = counts.get(comp, 0)
+    if not n:
+      continue
+    for line in comps[comp]:
+      for callee in _callees(line):
+        counts[callee] = counts.get(callee, 0) + n
+  return counts
 
 
 def _reachable(comps, roots) -> set[str]:

@@ -124,6 +124,48 @@ def tree_shardings(axes_tree, shapes_tree, mesh, strategy: str):
   return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=_is_axes)
 
 
+def state_axes(state, param_axes):
+  """Logical axes of every leaf of a train state, from the parameters'.
+
+  A leaf whose key path ends with a parameter's path (optimizer moments,
+  `state["params"]` itself) takes that parameter's axes when it has its
+  shape, or the axes of its leading dims when it is shorter (row-wise
+  accumulators `[v]` of a table `[v, e]`); anything else is replicated.
+  Matching by path, not by shape, keeps two parameters of the same shape
+  but different layouts apart.
+  """
+  index = {}
+  for path, axes in jax.tree_util.tree_flatten_with_path(
+    param_axes, is_leaf=_is_axes
+  )[0]:
+    index[_keys(path)] = axes
+
+  def axes_of(path, x):
+    keys = _keys(path)
+    for i in range(len(keys)):
+      axes = index.get(keys[i:])
+      if axes is None:
+        continue
+      if tuple(x.shape) == () or len(axes) < x.ndim:
+        break
+      return tuple(axes[: x.ndim])
+    return (None,) * x.ndim
+
+  return jax.tree_util.tree_map_with_path(axes_of, state)
+
+
+def _keys(path) -> tuple:
+  out = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        out.append(getattr(k, attr))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
 def _is_axes(x) -> bool:
   """A leaf of an axes tree: a plain tuple of names (not optax's tuples of
   states, nor its namedtuples)."""

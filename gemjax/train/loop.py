@@ -63,7 +63,7 @@ class Trainer:
     model_def, params = build(cfg, cfg.train.seed)
     tx = make_optimizer(cfg.train)
     state = _host_state(params, tx, cfg.train.seed)
-    axes = _state_axes(state, model_def.logical_axes)
+    axes = sharding.state_axes(state, model_def.logical_axes)
     shardings = sharding.tree_shardings(axes, state, mesh, cfg.mesh.strategy)
     return cls(
       cfg,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from gemjax.model.embeddings import gather_rows
+from gemjax.model.layers import fp8_weight_hook, fp8_weight_mask
 
 
 def candidate_mask(batch):
@@ -36,16 +37,25 @@ def forward(
   s = batch.offsets.shape[0]
   keys = jax.random.split(key, s) if key is not None else None
   if placement is not None:
+    # FSDP (G5): dense weights all-gathered for use, so every device runs
+    # its shards data-parallel; tables and experts keep their own layouts,
+    # FP8 layers' weights are gathered in 8 bits by the FP8 hook (G4).
+    keep = fp8_weight_mask(model)
+    model = model_def.bind(
+      placement.gather_dense(params, model_def.logical_axes, keep)
+    )
+    hook = placement.fp8_hook() if any(jax.tree.leaves(keep)) else None
     tables = params["embeddings"]["tables"]
-    batch = gather_rows(tables, batch, placement.lookup)
-    feats = jax.vmap(
-      lambda b: model.features(b, max_len=max_len, max_cands=max_cands)
-    )(batch)
-    if model.dhen is not None:
-      feats = model.dhen(feats, placement.run_experts)
-    if keys is None:
-      return jax.vmap(model.head)(feats)
-    return jax.vmap(lambda f, k: model.head(f, key=k))(feats, keys)
+    with fp8_weight_hook(hook):
+      batch = gather_rows(tables, batch, placement.lookup)
+      feats = jax.vmap(
+        lambda b: model.features(b, max_len=max_len, max_cands=max_cands)
+      )(batch)
+      if model.dhen is not None:
+        feats = model.dhen(feats, placement.run_experts)
+      if keys is None:
+        return jax.vmap(model.head)(feats)
+      return jax.vmap(lambda f, k: model.head(f, key=k))(feats, keys)
 
   def one(b, k):
     return model(b, max_len=max_len, max_cands=max_cands, key=k)

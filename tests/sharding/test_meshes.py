@@ -10,7 +10,8 @@ G5 claims checked on every collective of the compiled step:
 - parameter all-gathers and gradient reduce-scatters never span `cluster`;
 - what crosses `cluster` is all-reduces (plus, for gen-1 tables, their
   all-to-all), and the all-reduced bytes are at most one device's share of
-  the parameters: the groups trade sharded gradients, never full ones.
+  the parameters (plus the step's scalars): the groups trade sharded
+  gradients, never full ones.
 Then the full set of (kind, tiers) per strategy is compared with the
 expected table below.
 """
@@ -106,6 +107,8 @@ def test_collectives_respect_tiers(result, strategy):
     for c in big
     if c["kind"] == "all-reduce" and "cluster" in c["tiers"]
   )
-  assert 0 < over_cluster <= run["param_bytes_per_device"]
+  # The step's scalars (loss, task losses, per-tensor norms for clipping)
+  # ride in the all-tier all-reduce too: allow 1 KiB for them.
+  assert 0 < over_cluster <= run["param_bytes_per_device"] + 1024
   found = {(c["kind"], tuple(c["tiers"])) for c in big}
   assert found == EXPECTED[strategy]
