@@ -1,0 +1,667 @@
+"""Block attention with fused RoPE for Hopper in Pallas Mosaic GPU (G3).
+
+Shapes (legend): `t` packed tokens, `b` sequences, `n` query heads, `k` KV
+heads (`g = n // k`), `h` head dim, `z` block size (32 or 64 here), `i`
+work items (64-row tiles), `w` workers (persistent CTAs per KV head).
+
+Math. Tile `f` of a sequence covers its positions `[64 f, 64 f + 64)`; with
+`z = 64` it is one block, with `z = 32` two (a block-diagonal mask inside
+the tile). Per query head, with `c = scale * log2(e)` and RoPE `R_p`:
+
+    x = c (R q)(R k)^T        one 64 x 64 tile, the whole softmax row
+    m = max_j x,   P = 2^(x - m) / l,   l = sum_j 2^(x - m),   O = P V
+
+There is no online softmax (a row sees one key tile), and the forward
+writes nothing but O: the backward recomputes `x`, `m` and `l` from Q and
+K (one tile, cheaper than a round trip of the logsumexp), then
+
+    dP = dO V^T,  delta = rowsum(P * dP),  dX = P * (dP - delta)
+    dV = P^T dO,  d(Rq) = scale dX (Rk),  d(Rk) = scale dX^T (Rq)
+
+and the RoPE backward (`dq = R^T d(Rq)`, a rotation by `-angle`) runs in
+the epilogue on the f32 accumulators, before the one store of dQ and dK.
+
+Sequence-aligned tiles without a copy. A block starts at a sequence's first
+token, which sits at any packed row, while Mosaic's TMA into the swizzled,
+(8, 64)-tiled shared memory that wgmma reads needs rows that are multiples
+of 8. So tiles are loaded with TMA into plain (row-major) shared memory,
+which takes any row, and the consumer warpgroups move them through
+registers into the tiled layout. That pass is where RoPE is applied to Q and
+K (rotation of the two halves, `cos`/`sin` rows of the tile's positions read
+from a small f32 table) and where the zero-fill happens, so it costs no
+extra trip: only V (and dO) move without other work.
+
+Last partial block by zero-fill (as G1): rows of K and V past the sequence
+end are zeroed in that relayout (a select on the tile's rows). A zero key
+gives score 0, so each of the `zf` zero keys a row sees adds `2^(0 - m)` to
+`l`; it is subtracted after the row sum (`l - zf 2^(-m)`), and a zero value
+row adds nothing to O, so no score is masked for sequence ends. (Causal
+rows never see keys past the end; `z = 32` tiles mask the other block.) In
+the backward, dO rows past the end are zeroed too, which makes `dP`,
+`delta` and `dX` of those query rows zero, so they add nothing to dK/dV.
+Query rows past the end are computed and never written (ladder of TMA
+stores).
+
+Persistent CTAs and the pipeline. The work list (from
+`pallas_kernels.schedule`: only non-empty 64-row tiles, the buffer tail as
+one more sequence) is dealt zig-zag over `w` CTAs per KV head (tiles of one
+block attention are equal work). Each CTA walks its tiles; a producer
+warpgroup streams each tile's K, V, RoPE rows and the query tiles of the
+`g` query heads, and since every buffer is released as soon as its
+relayout is done, the next tile's loads overlap the current tile's math.
+Forward: two consumer warpgroups split the query heads (and the K / V
+relayout). Backward: one consumer warpgroup walks the `g` heads and keeps
+dK and dV in registers (the GQA reduction stays in the kernel, O7).
+
+Rows of the buffer tail get zeros (their tiles are computed like any other,
+on finite inputs, and multiplied by 0).
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import schedule
+from pallas_kernels.gdpa.mosaic_gpu import deal
+from pallas_kernels.jagged_attention import mosaic_gpu as jmg
+
+TILE = 64
+LOG2E = math.log2(math.e)
+SMEM_BYTES = 227 * 1024
+_L = plgpu.Layout.WGMMA
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Settings; defaults chosen for H200 (not yet tuned on the device)."""
+
+  num_sms: int = 132  # H200; persistent CTAs = about this many
+  q_stages: int = 2  # forward: query tiles in flight per consumer
+
+  def __post_init__(self):
+    if self.num_sms < 1 or self.q_stages < 1:
+      raise ValueError("num_sms and q_stages must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  block: int  # 32 or 64
+  causal: bool
+  rope: bool
+  scale: float
+  block_sizes: BlockSizes
+  interpret: object  # None (compile) or plgpu.InterpretGPUParams
+
+
+def work_items(offsets, t: int):
+  """64-row tiles of every sequence (and of the buffer tail).
+
+  Returns (`int32[i, 4]`, number of real items). Columns: 0 first packed
+  row, 1 rows of the tile inside the sequence, 2 position of its first row
+  (0 for the tail), 3 whether it is the buffer tail.
+  """
+  offsets = jnp.asarray(offsets, jnp.int32)
+  sched = schedule.jagged_tile_schedule(offsets, t, TILE)
+  off_e = schedule.extend_offsets(offsets, t)
+  seq, tile, ok = sched.seq_i, sched.tile_i, sched.valid_i
+  length = off_e[seq + 1] - off_e[seq]
+  pos0 = tile * TILE
+  valid = jnp.where(ok, jnp.clip(length - pos0, 0, TILE), 0)
+  tail = seq == offsets.shape[0] - 1
+  table = jnp.stack(
+    [off_e[seq] + pos0, valid, jnp.where(tail, 0, pos0), tail], axis=1
+  )
+  return table.astype(jnp.int32), sched.num_items
+
+
+def rope_table(max_len: int, h: int, theta: float):
+  """`f32[2, rows, h/2]` cos and sin of positions `0..rows)`, rows a
+  multiple of 64 (the kernels read one 64-row slice per tile)."""
+  rows = -(-max(max_len, 1) // TILE) * TILE
+  freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
+  ang = jnp.arange(rows, dtype=jnp.float32)[:, None] * freq
+  return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
+
+
+def _workers(kh: int, bs: BlockSizes, num_items: int) -> int:
+  return max(1, min(-(-bs.num_sms // kh), num_items))
+
+
+def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
+  tile = TILE * h * dtype_bytes
+  return (
+    4 * tile  # K, V raw and tiled
+    + (2 * TILE * (h // 2) * 4 if rope else 0)  # cos, sin
+    + nwg * stages * tile  # raw query ring (also the output staging)
+    + nwg * tile  # tiled query
+    + 1024
+  )
+
+
+def _bwd_smem(h, rope, dtype_bytes=2):
+  tile = TILE * h * dtype_bytes
+  return (
+    4 * tile  # K, V raw and tiled
+    + (2 * TILE * (h // 2) * 4 if rope else 0)
+    + 4 * tile  # Q, dO raw and tiled
+    + 2 * TILE * TILE * dtype_bytes  # P, dX
+    + tile  # output staging
+    + 1024
+  )
+
+
+def fits(h: int, rope: bool) -> bool:
+  """Whether both kernels fit shared memory at this head dim."""
+  return (
+    _fwd_smem(h, 2, 1, rope) <= SMEM_BYTES and _bwd_smem(h, rope) <= SMEM_BYTES
+  )
+
+
+# --------------------------------------------------------------------------
+# Shared pieces.
+
+
+def _iota(shape, dim):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_L)
+
+
+def _acc(acc, a, b, static):
+  """`acc + a @ b` for shared-memory operands (see `jmg._accumulate`)."""
+  if static.interpret is None:
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+  return acc + jmg._matmul(a, b, acc.shape)
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), _L)
+
+
+def _relayout(raw, dst, *, cs=None, keep_rows=None):
+  """Plain `[64, h]` -> tiled `dst`, rotating by RoPE (`cs`: `[2, 64, h/2]`
+  cos/sin) and zeroing rows `>= keep_rows` (None: keep all)."""
+  h = raw.shape[-1]
+  if cs is None:
+    x = plgpu.load(raw, layout=_L)
+    if keep_rows is not None:
+      x = jmg._select(_iota(x.shape, 0) < keep_rows, x, 0)
+    dst[...] = x
+    return
+  hh = h // 2
+  x1 = plgpu.load(raw.at[:, pl.ds(0, hh)], layout=_L).astype(jnp.float32)
+  x2 = plgpu.load(raw.at[:, pl.ds(hh, hh)], layout=_L).astype(jnp.float32)
+  cos = plgpu.load(cs.at[0], layout=_L)
+  sin = plgpu.load(cs.at[1], layout=_L)
+  r1 = x1 * cos - x2 * sin
+  r2 = x2 * cos + x1 * sin
+  if keep_rows is not None:
+    keep = _iota(r1.shape, 0) < keep_rows
+    r1 = jmg._select(keep, r1, 0.0)
+    r2 = jmg._select(keep, r2, 0.0)
+  dst.at[:, pl.ds(0, hh)][...] = r1.astype(dst.dtype)
+  dst.at[:, pl.ds(hh, hh)][...] = r2.astype(dst.dtype)
+
+
+def _unrope(a, b, cs):
+  """RoPE backward on the two f32 halves of a gradient: rotate by -angle."""
+  cos = plgpu.load(cs.at[0], layout=_L)
+  sin = plgpu.load(cs.at[1], layout=_L)
+  return a * cos + b * sin, b * cos - a * sin
+
+
+def _probs(x, valid, static):
+  """Softmax of one tile of scores `x` (log2 units), zero-fill corrected.
+
+  Returns normalized `P` (f32, rows that see no real key are 0).
+  """
+  block, causal = static.block, static.causal
+  cond = None
+  if block < TILE:
+    cond = (_iota(x.shape, 0) >= block) == (_iota(x.shape, 1) >= block)
+  if causal:
+    c2 = _iota(x.shape, 1) <= _iota(x.shape, 0)
+    cond = c2 if cond is None else cond & c2
+  if cond is not None:
+    x = jmg._select(cond, x, -jnp.inf)
+  m = x.max(axis=1)
+  p = jnp.exp2(x - lax.broadcast_in_dim(m, x.shape, [0]))
+  l = p.sum(axis=1)
+  if not causal:
+    # Zero-filled keys of the row's block: each added 2^(0 - m) to l.
+    rows = jmg._row_iota(TILE)
+    if block < TILE:
+      first = rows < block
+      seen = jnp.where(first, 0, block) + rows * 0
+      in_block = jnp.clip(valid - seen, 0, block)
+    else:
+      in_block = jnp.minimum(valid, TILE) + rows * 0
+    zf = (block - in_block).astype(jnp.float32)
+    l = l - zf * jnp.exp2(-m)
+  ok = l > 0
+  inv = jmg._select(ok, 1.0 / jmg._select(ok, l, 1.0), 0.0)
+  return p * lax.broadcast_in_dim(inv, p.shape, [0])
+
+
+def _store_rows(src, dst_ref, row, head, count):
+  """Rows `[0, count)` of plain `src` to packed rows `row...` of `head`."""
+  jmg._ladder_store(
+    src,
+    lambda r, size: dst_ref.at[pl.ds(row + r, size), head],
+    0,
+    count,
+    TILE,
+  )
+
+
+def _heads_of(wg, group, nwg):
+  return [g for g in range(group) if g % nwg == wg]
+
+
+# --------------------------------------------------------------------------
+# Forward.
+
+
+def forward(q, k, v, cs, items, num_real, static: _Static):
+  """O `[t, n, h]` (rows past the data zero)."""
+  t, n, h = q.shape
+  _, kh, _ = k.shape
+  dtype = q.dtype
+  group = n // kh
+  nwg = 2 if group >= 2 else 1
+  stages = static.block_sizes.q_stages
+  while stages > 1 and _fwd_smem(h, nwg, stages, static.rope) > SMEM_BYTES:
+    stages -= 1
+  rope = static.rope
+  c = static.scale * LOG2E
+  num_items = items.shape[0]
+  workers = _workers(kh, static.block_sizes, num_items)
+  dealt, counts = deal(num_items, num_real, workers, 1)
+  jobs = [len(_heads_of(wg, group, nwg)) for wg in range(nwg)]
+
+  def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, *rest):
+    if rope:
+      cs_ref, o_ref, *scratch = rest
+    else:
+      o_ref, *scratch = rest
+      cs_ref = None
+    (k_raw, v_raw, k_t, v_t, q_raw, q_t, csm) = scratch[:7]
+    (kv_bar, cs_bar, raw_free, cs_free, q_bar, q_free, sync) = scratch[7:]
+    w = lax.axis_index("workers")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_steps = count_ref[w]
+
+    def item(j):
+      it = deal_ref[w, j]
+      return [items_ref[it, f] for f in range(4)]
+
+    @pl.when(wg < nwg)
+    def _consumer():
+      plgpu.set_max_registers(232 if nwg == 2 else 240, action="increase")
+
+      def sync_wgs(i):
+        if nwg == 2:
+          plgpu.barrier_arrive(sync.at[i])
+          plgpu.barrier_wait(sync.at[i])
+
+      def run(wg_i):
+        heads = _heads_of(wg_i, group, nwg)
+
+        def body(j, _):
+          row, valid, _, tail = item(j)
+          keep = (1 - tail).astype(jnp.float32)
+          plgpu.barrier_wait(kv_bar)
+          # K (with RoPE) by warpgroup 0, V by the last one.
+          if wg_i == 0:
+            if rope:
+              plgpu.barrier_wait(cs_bar)
+            _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
+          if wg_i == nwg - 1:
+            _relayout(v_raw, v_t, keep_rows=valid)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(raw_free)
+          sync_wgs(0)  # both tiled K and V are in place
+          for jj, g in enumerate(heads):
+            cnt = j * jobs[wg_i] + jj
+            slot = lax.rem(cnt, stages)
+            qb = wg_i * stages + slot
+            raw = q_raw.at[wg_i, slot]
+            plgpu.barrier_wait(q_bar.at[qb])
+            if rope and wg_i != 0 and jj == 0:
+              plgpu.barrier_wait(cs_bar)
+            _relayout(raw, q_t.at[wg_i], cs=csm if rope else None)
+            plgpu.commit_smem()
+            if rope and jj == len(heads) - 1:
+              plgpu.barrier_arrive(cs_free)  # last use of this tile's RoPE
+            x = jmg._matmul(q_t.at[wg_i], k_t.transpose((1, 0)), (TILE, TILE))
+            p = _probs(x * c, valid, static)
+            o = jmg._accumulate(_zeros((TILE, h)), p.astype(dtype), v_t, static)
+            raw[...] = (o * keep).astype(dtype)  # raw Q is no longer needed
+            plgpu.commit_smem()
+            _store_rows(raw, o_ref, row, kv_head * group + g, valid)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(q_free.at[qb])
+          sync_wgs(1)  # both done with the tiled K and V
+          return 0
+
+        lax.fori_loop(0, n_steps, body, 0)
+
+      for wg_i in range(nwg):
+        pl.when(wg == wg_i)(lambda wg_i=wg_i: run(wg_i))
+
+    @pl.when(wg == nwg)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def body(j, _):
+        row, _, pos0, _ = item(j)
+
+        @pl.when(j > 0)
+        def _():
+          plgpu.barrier_wait(raw_free)
+
+        rows = pl.ds(row, TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_raw, kv_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_raw, kv_bar)
+        if rope:
+
+          @pl.when(j > 0)
+          def _():
+            plgpu.barrier_wait(cs_free)
+
+          plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+        for wg_i in range(nwg):
+          for jj, g in enumerate(_heads_of(wg_i, group, nwg)):
+            cnt = j * jobs[wg_i] + jj
+            slot = lax.rem(cnt, stages)
+            qb = wg_i * stages + slot
+
+            @pl.when(cnt >= stages)
+            def _(qb=qb):
+              plgpu.barrier_wait(q_free.at[qb])
+
+            plgpu.copy_gmem_to_smem(
+              q_ref.at[rows, kv_head * group + g],
+              q_raw.at[wg_i, slot],
+              q_bar.at[qb],
+            )
+        return 0
+
+      lax.fori_loop(0, n_steps, body, 0)
+
+      # Observe the last releases (every barrier phase consumed).
+      @pl.when(n_steps > 0)
+      def _():
+        plgpu.barrier_wait(raw_free)
+        if rope:
+          plgpu.barrier_wait(cs_free)
+
+      for wg_i in range(nwg):
+        total = n_steps * jobs[wg_i]
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _(cnt, wg_i=wg_i):
+          plgpu.barrier_wait(q_free.at[wg_i * stages + lax.rem(cnt, stages)])
+
+  tiled = jmg._smem_tile
+  scratch = [
+    plgpu.SMEM((TILE, h), dtype),
+    plgpu.SMEM((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    plgpu.SMEM((nwg, stages, TILE, h), dtype),
+    tiled((nwg, TILE, h), dtype),
+    plgpu.SMEM((2, TILE, h // 2), jnp.float32) if rope else None,
+    plgpu.Barrier(num_arrivals=2),
+    plgpu.Barrier() if rope else None,
+    plgpu.Barrier(num_arrivals=nwg),
+    plgpu.Barrier(num_arrivals=nwg) if rope else None,
+    plgpu.Barrier(num_barriers=nwg * stages),
+    plgpu.Barrier(num_barriers=nwg * stages),
+    plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
+  ]
+  args = [items, dealt, counts, q, k, v] + ([cs] if rope else [])
+  return _launch(
+    kernel,
+    scratch,
+    jax.ShapeDtypeStruct((t, n, h), dtype),
+    (kh, workers),
+    nwg,
+    static,
+    args,
+  )
+
+
+def _launch(kernel, scratch, out_type, grid, nwg, static, args):
+  """`plgpu.kernel` with `None` scratch entries dropped (and passed as
+  None to the kernel body at their place)."""
+  present = [s is not None for s in scratch]
+  real = [s for s in scratch if s is not None]
+
+  def body(*refs):
+    n_in = len(args)
+    n_out = len(out_type) if isinstance(out_type, list) else 1
+    head = refs[: n_in + n_out]
+    it = iter(refs[n_in + n_out :])
+    full = [next(it) if p else None for p in present]
+    return kernel(*head, *full)
+
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    scratch_types=real,
+    grid=grid,
+    grid_names=("heads", "workers"),
+    num_threads=nwg + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(*args)
+
+
+# --------------------------------------------------------------------------
+# Backward: one consumer warpgroup per CTA walks the query heads of its KV
+# head, recomputes P, and keeps dK, dV in registers for the whole tile.
+
+
+def backward(q, k, v, do, cs, items, num_real, static: _Static):
+  """(dQ `[t, n, h]`, dK `[t, k, h]`, dV `[t, k, h]`)."""
+  t, n, h = q.shape
+  _, kh, _ = k.shape
+  dtype = q.dtype
+  group = n // kh
+  rope = static.rope
+  hh = h // 2
+  c = static.scale * LOG2E
+  scale = static.scale
+  num_items = items.shape[0]
+  workers = _workers(kh, static.block_sizes, num_items)
+  dealt, counts = deal(num_items, num_real, workers, 1)
+
+  def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
+             *rest):  # fmt: skip
+    if rope:
+      cs_ref, dq_ref, dk_ref, dv_ref, *scratch = rest
+    else:
+      dq_ref, dk_ref, dv_ref, *scratch = rest
+      cs_ref = None
+    (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
+    (p_s, ds_s, stage, csm) = scratch[8:12]
+    (kv_bar, cs_bar, raw_free, cs_free, qd_bar, qd_free) = scratch[12:]
+    w = lax.axis_index("workers")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_steps = count_ref[w]
+
+    def item(j):
+      it = deal_ref[w, j]
+      return [items_ref[it, f] for f in range(4)]
+
+    @pl.when(wg == 0)
+    def _consumer():
+      plgpu.set_max_registers(240, action="increase")
+
+      def stage_out(x, dst_ref, row, head, count):
+        """f32 rows -> staging buffer -> packed rows (after the previous
+        store has read the buffer)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if isinstance(x, tuple):
+          stage.at[:, pl.ds(0, hh)][...] = x[0].astype(dtype)
+          stage.at[:, pl.ds(hh, hh)][...] = x[1].astype(dtype)
+        else:
+          stage[...] = x.astype(dtype)
+        plgpu.commit_smem()
+        _store_rows(stage, dst_ref, row, head, count)
+
+      def body(j, _):
+        row, valid, _, tail = item(j)
+        keep = (1 - tail).astype(jnp.float32)
+        plgpu.barrier_wait(kv_bar)
+        _relayout(v_raw, v_t, keep_rows=valid)
+        if rope:
+          plgpu.barrier_wait(cs_bar)
+        _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(raw_free)
+        if rope:
+          dk = (_zeros((TILE, hh)), _zeros((TILE, hh)))
+        else:
+          dk = _zeros((TILE, h))
+        dv = _zeros((TILE, h))
+
+        def head_step(g, carry):
+          dk, dv = carry
+          plgpu.barrier_wait(qd_bar)
+          _relayout(q_raw, q_t, cs=csm if rope else None)
+          _relayout(do_raw, do_t, keep_rows=valid)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(qd_free)
+          x = jmg._matmul(q_t, k_t.transpose((1, 0)), (TILE, TILE))
+          p = _probs(x * c, valid, static)
+          dp = jmg._matmul(do_t, v_t.transpose((1, 0)), (TILE, TILE))
+          delta = (p * dp).sum(axis=1)
+          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+          p_s[...] = p.astype(dtype)
+          ds_s[...] = ds.astype(dtype)
+          plgpu.commit_smem()
+          dv = _acc(dv, p_s.transpose((1, 0)), do_t, static)
+          if rope:
+            halves = [pl.ds(0, hh), pl.ds(hh, hh)]
+            dk = tuple(
+              _acc(a, ds_s.transpose((1, 0)), q_t.at[:, cols], static)
+              for a, cols in zip(dk, halves, strict=True)
+            )
+            dq1, dq2 = (
+              jmg._matmul(ds_s, k_t.at[:, cols], (TILE, hh)) for cols in halves
+            )
+            g1, g2 = _unrope(dq1, dq2, csm)
+            out = (g1 * (scale * keep), g2 * (scale * keep))
+          else:
+            dk = _acc(dk, ds_s.transpose((1, 0)), q_t, static)
+            out = jmg._matmul(ds_s, k_t, (TILE, h)) * (scale * keep)
+          stage_out(out, dq_ref, row, kv_head * group + g, valid)
+          return dk, dv
+
+        dk, dv = lax.fori_loop(0, group, head_step, (dk, dv))
+        # Epilogue: RoPE backward of dK, then one store of dK and dV.
+        if rope:
+          a, b = _unrope(dk[0], dk[1], csm)
+          plgpu.barrier_arrive(cs_free)
+          dk = (a * (scale * keep), b * (scale * keep))
+        else:
+          dk = dk * (scale * keep)
+        stage_out(dk, dk_ref, row, kv_head, valid)
+        stage_out(dv * keep, dv_ref, row, kv_head, valid)
+        return 0
+
+      lax.fori_loop(0, n_steps, body, 0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == 1)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load_qd(rows, cnt, g):
+        @pl.when(cnt >= 1)
+        def _():
+          plgpu.barrier_wait(qd_free)
+
+        head = kv_head * group + g
+        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_raw, qd_bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_raw, qd_bar)
+
+      def body(j, _):
+        row, _, pos0, _ = item(j)
+
+        @pl.when(j > 0)
+        def _():
+          plgpu.barrier_wait(raw_free)
+
+        rows = pl.ds(row, TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_raw, kv_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_raw, kv_bar)
+        load_qd(rows, j * group, 0)
+        if rope:
+
+          @pl.when(j > 0)
+          def _():
+            plgpu.barrier_wait(cs_free)
+
+          plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+
+        @pl.loop(1, group)
+        def _(g):
+          load_qd(rows, j * group + g, g)
+
+        return 0
+
+      lax.fori_loop(0, n_steps, body, 0)
+
+      @pl.when(n_steps > 0)
+      def _():
+        plgpu.barrier_wait(raw_free)
+        plgpu.barrier_wait(qd_free)
+        if rope:
+          plgpu.barrier_wait(cs_free)
+
+  tiled = jmg._smem_tile
+  plain = plgpu.SMEM
+  scratch = [
+    plain((TILE, h), dtype),
+    plain((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    plain((TILE, h), dtype),
+    plain((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    tiled((TILE, h), dtype),
+    tiled((TILE, TILE), dtype),
+    tiled((TILE, TILE), dtype),
+    plain((TILE, h), dtype),
+    plain((2, TILE, hh), jnp.float32) if rope else None,
+    plgpu.Barrier(num_arrivals=2),
+    plgpu.Barrier() if rope else None,
+    plgpu.Barrier(),
+    plgpu.Barrier() if rope else None,
+    plgpu.Barrier(num_arrivals=2),
+    plgpu.Barrier(),
+  ]
+  args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
+  kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
+  return _launch(
+    kernel,
+    scratch,
+    [jax.ShapeDtypeStruct((t, n, h), dtype), kv_type, kv_type],
+    (kh, workers),
+    1,
+    static,
+    args,
+  )

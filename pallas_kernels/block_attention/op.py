@@ -1,0 +1,203 @@
+"""Public block-attention op: `custom_vjp` over the Mosaic GPU kernels,
+dispatch, and the sliding-window baseline (G3).
+
+`block_attention(..., implementation=None)` runs the Mosaic GPU kernels
+(`mosaic_gpu.py`) on a GPU for the shapes they cover (bf16/fp16, head dim
+64 or 128, blocks of 32 or 64; RoPE fused for head dim 128, applied by XLA
+before the kernel at head dim 64) and the plain-`jnp` reference elsewhere
+(blocks of 128 included); `implementation="mosaic"` on CPU runs the same
+kernels under Pallas's GPU interpret mode (slow; tests only).
+"""
+
+import functools
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels import dispatch
+from pallas_kernels.block_attention import mosaic_gpu as mg
+from pallas_kernels.block_attention.reference import (
+  BLOCKS,
+  block_attention_reference,
+  positions,
+  rope_reference,
+  sliding_window_reference,
+)
+from pallas_kernels.jagged_attention.reference import check_offsets
+
+BlockSizes = mg.BlockSizes
+KERNEL_BLOCKS = (32, 64)
+
+
+def _fwd(static, q, k, v, offsets, cs):
+  items, num_real = mg.work_items(offsets, q.shape[0])
+  o = mg.forward(q, k, v, cs, items, num_real, static)
+  return o, (q, k, v, offsets, cs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_attention(static, q, k, v, offsets, cs):
+  return _fwd(static, q, k, v, offsets, cs)[0]
+
+
+def _bwd(static, res, do):
+  q, k, v, offsets, cs = res
+  items, num_real = mg.work_items(offsets, q.shape[0])
+  dq, dk, dv = mg.backward(q, k, v, do, cs, items, num_real, static)
+  return dq, dk, dv, None, None
+
+
+_block_attention.defvjp(_fwd, _bwd)
+
+
+def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:
+  """Why the Mosaic kernels cannot take these inputs (None: they can)."""
+  h = q_tnh.shape[-1]
+  if block not in KERNEL_BLOCKS:
+    return f"block {block} is not one of {KERNEL_BLOCKS}"
+  if h not in (64, 128):
+    return f"head dim {h} is not 64 or 128"
+  dtype = q_tnh.dtype
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtype {dtype} is not bf16/fp16"
+  if k_tkh.dtype != dtype or v_tkh.dtype != dtype:
+    return "q, k and v must share one dtype"
+  return None
+
+
+def block_attention_mosaic(
+  q_tnh,
+  k_tkh,
+  v_tkh,
+  offsets,
+  *,
+  block: int = 64,
+  rope: float | None = None,
+  causal: bool = False,
+  scale: float | None = None,
+  max_len: int | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret=None,
+):
+  """Mosaic GPU block attention (Hopper); same contract as the reference.
+
+  `max_len` sizes the RoPE table (positions `< max_len`; default the buffer
+  capacity) and is checked on concrete offsets. `interpret=None` compiles
+  on a GPU and runs GPU interpret mode elsewhere; `False` always compiles.
+  """
+  t, n, h = q_tnh.shape
+  _, kh, _ = k_tkh.shape
+  if n % kh:
+    raise ValueError(f"query heads {n} must be a multiple of KV heads {kh}")
+  if k_tkh.shape[0] != t or v_tkh.shape[0] != t:
+    raise ValueError("block attention is self-attention: same rows")
+  why = supported(q_tnh, k_tkh, v_tkh, block)
+  if why:
+    raise ValueError(f"mosaic block attention: {why}")
+  max_len = t if max_len is None else max_len
+  check_offsets(offsets, t, "offsets", max_len)
+  if interpret is None and jax.default_backend() != "gpu":
+    interpret = plgpu.InterpretGPUParams()
+  elif interpret is False:
+    interpret = None
+  offsets = jnp.asarray(offsets, jnp.int32)
+  fused_rope = rope is not None and h % 128 == 0
+  if rope is not None and not fused_rope:
+    # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
+    pos = positions(offsets, t)
+    q_tnh = rope_reference(q_tnh, pos, rope)
+    k_tkh = rope_reference(k_tkh, pos, rope)
+  static = mg._Static(
+    block=block,
+    causal=causal,
+    rope=fused_rope,
+    scale=float(h**-0.5 if scale is None else scale),
+    block_sizes=block_sizes or BlockSizes(),
+    interpret=interpret,
+  )
+  cs = mg.rope_table(max_len, h, rope) if fused_rope else None
+  return _block_attention(static, q_tnh, k_tkh, v_tkh, offsets, cs)
+
+
+IMPLEMENTATIONS = {
+  "xla": block_attention_reference,
+  "mosaic": block_attention_mosaic,
+}
+
+
+def block_attention(
+  q_tnh,
+  k_tkh,
+  v_tkh,
+  offsets,
+  *,
+  block: int = 64,
+  rope: float | None = None,
+  causal: bool = False,
+  scale: float | None = None,
+  max_len: int | None = None,
+  implementation: str | None = None,
+):
+  """Self-attention inside fixed blocks of each jagged sequence (G3).
+
+  Args:
+    q_tnh: queries `[t, n, h]`, packed over sequences.
+    k_tkh, v_tkh: keys and values `[t, k, h]` (same rows), `n % k == 0`.
+    offsets: `int32[b+1]` cumulative sequence lengths.
+    block: positions per block, one of 32, 64 (kernels) or 128 (reference).
+    rope: RoPE base `theta` applied to Q and K at their in-sequence
+      positions inside the op (fused in the kernels), or None.
+    causal: position `p` sees positions `<= p` of its block.
+    scale: score scale, default `h ** -0.5`.
+    max_len: static bound on one sequence's length.
+    implementation: None (Mosaic GPU on a GPU when supported, else "xla"),
+      "mosaic" or "xla".
+
+  Returns `[t, n, h]`; rows past `offsets[-1]` are zero.
+  """
+  if block not in BLOCKS:
+    raise ValueError(f"block={block}: one of {BLOCKS}")
+  if implementation is None and supported(q_tnh, k_tkh, v_tkh, block):
+    implementation = "xla"
+  fn = dispatch.pick(
+    "block_attention", IMPLEMENTATIONS, implementation, "mosaic"
+  )
+  return fn(
+    q_tnh,
+    k_tkh,
+    v_tkh,
+    offsets,
+    block=block,
+    rope=rope,
+    causal=causal,
+    scale=scale,
+    max_len=max_len,
+  )
+
+
+def sliding_window_attention(
+  q_tnh,
+  k_tkh,
+  v_tkh,
+  offsets,
+  *,
+  window: int = 64,
+  rope: float | None = None,
+  causal: bool = False,
+  scale: float | None = None,
+  max_len: int | None = None,
+):
+  """Sliding-window attention (`|p - j| <= window`), XLA only: the seed's
+  intermediate step and block attention's baseline."""
+  return sliding_window_reference(
+    q_tnh,
+    k_tkh,
+    v_tkh,
+    offsets,
+    window=window,
+    rope=rope,
+    causal=causal,
+    scale=scale,
+    max_len=max_len,
+  )

@@ -1,0 +1,228 @@
+"""Block attention: Mosaic GPU kernels against the plain-jnp reference (G3).
+
+On CPU the kernels run under Pallas's GPU interpret mode (tiny shapes with
+every edge case: empty sequences, length 1, lengths that are not a
+multiple of the block (zero-filled last block), sequences starting off the
+8-row grid, one long sequence among short ones, the buffer tail). A small
+`num_sms` makes each persistent CTA walk several tiles. `-m gpu` reruns
+them compiled at real shapes on the H200.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.block_attention import (
+  block_attention,
+  block_attention_reference,
+  sliding_window_reference,
+)
+from pallas_kernels.block_attention import mosaic_gpu as mg
+from pallas_kernels.block_attention.op import (
+  IMPLEMENTATIONS,
+  block_attention_mosaic,
+)
+from pallas_kernels.block_attention.reference import positions, rope_reference
+
+# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
+# the f32 reference (one rounding of inputs and outputs, times a small
+# factor; RoPE'd Q and K are rounded once more, as XLA's RoPE does).
+REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
+SMALL = mg.BlockSizes(num_sms=2)
+
+
+def _offsets(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _rel_err(got, want):
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
+  off = _offsets(lens)
+  t = int(off[-1]) + tail
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (t, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (t, kh, h), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
+  kw["max_len"] = max(int(np.diff(off).max()), 1)
+  block_sizes = kw.pop("block_sizes", None)
+
+  def ours(q, k, v):
+    return block_attention_mosaic(q, k, v, off, block_sizes=block_sizes, **kw)
+
+  o, vjp = jax.vjp(ours, q, k, v)
+  got = [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+  with jax.default_matmul_precision("highest"):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    # The reference rotates in f32 and rounds like the kernels: give it the
+    # inputs' dtype for RoPE, then compute in f32.
+    ref = lambda q, k, v: block_attention_reference(q, k, v, off, **kw)  # noqa: E731
+    o_r, vjp_r = jax.vjp(ref, *f32[:3])
+    want = [np.asarray(x) for x in (o_r, *vjp_r(f32[3]))]
+  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+    assert np.isfinite(g).all(), name
+    err = _rel_err(g, w)
+    assert err < REL_TOL[dtype], (name, err)
+  # The buffer tail is exactly zero in the output and every gradient.
+  for x in got:
+    assert not x[int(off[-1]) :].any()
+
+
+def test_block64_rope_gqa_interpret():
+  # Blocks of 64 with RoPE fused (head dim 128), two query heads per KV
+  # head (the two consumer warpgroups split them). Lengths: 70 (a full
+  # block and a zero-filled partial one), 0, 1, 130 (one long), 9; starts
+  # off the 8-row grid; 5 tail rows.
+  _check_case(
+    [70, 0, 1, 130, 9],
+    n=2,
+    kh=1,
+    h=128,
+    dtype=jnp.bfloat16,
+    tail=5,
+    seed=1,
+    block=64,
+    rope=10_000.0,
+    block_sizes=SMALL,
+  )
+
+
+def test_block32_causal_odd_group_interpret():
+  # Blocks of 32 (two per 64-row tile, block-diagonal mask), causal, fp16,
+  # 3 query heads per KV head (uneven split over the warpgroups), head dim
+  # 64 (RoPE applied by XLA before the kernel).
+  _check_case(
+    [45, 1, 0, 100],
+    n=3,
+    kh=1,
+    h=64,
+    dtype=jnp.float16,
+    tail=3,
+    seed=2,
+    block=32,
+    rope=500.0,
+    causal=True,
+    block_sizes=SMALL,
+  )
+
+
+def test_block64_one_head_interpret():
+  # Multi-head (not grouped) attention: one consumer warpgroup per CTA.
+  _check_case(
+    [3, 64, 65],
+    n=1,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=0,
+    seed=3,
+    block=64,
+    block_sizes=SMALL,
+  )
+
+
+def test_work_items_cover_every_row_once():
+  lens = [70, 0, 1, 130, 9, 64]
+  off = _offsets(lens)
+  t = int(off[-1]) + 11
+  table, num_real = mg.work_items(off, t)
+  table = np.asarray(table)[: int(num_real)]
+  covered = np.zeros(t, int)
+  for row, valid, pos0, tail in table:
+    covered[row : row + valid] += 1
+    assert pos0 % mg.TILE == 0
+    seq = np.searchsorted(off, row, side="right") - 1
+    if not tail:
+      assert row - off[seq] == pos0  # tiles start at block boundaries
+  np.testing.assert_array_equal(covered, 1)
+
+
+def test_rope_table_matches_reference():
+  h, theta = 128, 10_000.0
+  cs = mg.rope_table(200, h, theta)
+  assert cs.shape == (2, 256, h // 2)
+  pos = jnp.arange(200)
+  x = jax.random.normal(jax.random.key(0), (200, 1, h))
+  x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+  cos, sin = cs[0, :200, None], cs[1, :200, None]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  np.testing.assert_allclose(
+    rotated, rope_reference(x, pos, theta), rtol=0, atol=1e-5
+  )
+
+
+def test_sliding_window_reference_matches_dense():
+  # Sliding window from dense masked attention, on the jagged layout.
+  lens = [70, 0, 1, 20]
+  off = _offsets(lens)
+  t = int(off[-1]) + 2
+  ks = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(ks[0], (t, 2, 16))
+  k = jax.random.normal(ks[1], (t, 1, 16))
+  v = jax.random.normal(ks[2], (t, 1, 16))
+  pos = np.asarray(positions(off, t))
+  seq = np.searchsorted(off, np.arange(t), side="right") - 1
+  real = np.arange(t) < off[-1]
+  for causal in (False, True):
+    got = sliding_window_reference(q, k, v, off, window=8, causal=causal)
+    d = pos[None, :] - pos[:, None]
+    mask = (seq[:, None] == seq[None, :]) & (np.abs(d) <= 8) & real[None, :]
+    if causal:
+      mask &= d <= 0
+    s = jnp.einsum("qnh,jh->nqj", q, k[:, 0]) / 4.0
+    s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+    want = jnp.einsum("nqj,jh->qnh", p, v[:, 0]) * real[:, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch():
+  assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
+  fn = dispatch.pick("block_attention", IMPLEMENTATIONS, None, "mosaic")
+  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  assert fn is IMPLEMENTATIONS[want]
+  off = np.array([0, 3, 4], np.int32)
+  x = jax.random.normal(jax.random.key(0), (4, 2, 8))
+  # Block 128 and head dim 8 have no kernel: the reference runs anywhere.
+  np.testing.assert_allclose(
+    block_attention(x, x[:, :1], x[:, :1], off, block=128),
+    block_attention_reference(x, x[:, :1], x[:, :1], off, block=128),
+  )
+  with pytest.raises(ValueError, match="block=48"):
+    block_attention(x, x[:, :1], x[:, :1], off, block=48)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    block_attention(x, x[:, :1], x[:, :1], off, implementation="nope")
+
+
+# Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "h,block,rope,causal,dtype",
+  [
+    (128, 64, 10_000.0, False, jnp.bfloat16),
+    (128, 32, 10_000.0, True, jnp.bfloat16),
+    (64, 64, None, False, jnp.float16),
+    (64, 64, 10_000.0, True, jnp.bfloat16),
+  ],
+)
+def test_gpu_matches_reference(h, block, rope, causal, dtype):
+  rng = np.random.default_rng(h + block)
+  lens = rng.integers(1, 2048, 16)
+  lens[:3] = [0, 1, 2048]
+  _check_case(
+    list(lens),
+    n=8,
+    kh=2,
+    h=h,
+    dtype=dtype,
+    tail=37,
+    seed=11,
+    block=block,
+    rope=rope,
+    causal=causal,
+  )
