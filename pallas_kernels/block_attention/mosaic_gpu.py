@@ -233,9 +233,9 @@ def _probs(x, valid, static):
     x = jmg._select(cond, x, -jnp.inf)
   m = x.max(axis=1)
   p = jnp.exp2(x - lax.broadcast_in_dim(m, x.shape, [0]))
-  l = p.sum(axis=1)
+  row_sum = p.sum(axis=1)
   if not causal:
-    # Zero-filled keys of the row's block: each added 2^(0 - m) to l.
+    # Zero-filled keys of the row's block: each added 2^(0 - m) to the sum.
     rows = jmg._row_iota(TILE)
     if block < TILE:
       first = rows < block
@@ -244,9 +244,9 @@ def _probs(x, valid, static):
     else:
       in_block = jnp.minimum(valid, TILE) + rows * 0
     zf = (block - in_block).astype(jnp.float32)
-    l = l - zf * jnp.exp2(-m)
-  ok = l > 0
-  inv = jmg._select(ok, 1.0 / jmg._select(ok, l, 1.0), 0.0)
+    row_sum = row_sum - zf * jnp.exp2(-m)
+  ok = row_sum > 0
+  inv = jmg._select(ok, 1.0 / jmg._select(ok, row_sum, 1.0), 0.0)
   return p * lax.broadcast_in_dim(inv, p.shape, [0])
 
 
