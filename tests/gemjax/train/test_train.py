@@ -89,13 +89,14 @@ def test_resume_is_bit_identical(tmp_path):
 
 @pytest.mark.parametrize("name", config.available_configs())
 def test_every_config_runs_one_step(name, tmp_path):
-  """The full model of every config builds and takes a step (small data)."""
+  """The full model of every config builds and takes a step (small data, one
+  device: the multi-device path is tested above)."""
   cfg = config.load(
     name,
     [o for o in TINY if o.startswith(("data.", "train."))]
-    + ["train.steps=1", "mesh.data_shards=0"],
+    + ["train.steps=1", "mesh.data_shards=1", "data.workers=0"],
   )
-  result = train(cfg, tmp_path)
+  result = train(cfg, tmp_path, devices=jax.devices()[:1])
   assert set(result) == set(cfg.model.tasks)
   assert losses(tmp_path) and np.isfinite(losses(tmp_path)[0])
 
