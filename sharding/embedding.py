@@ -390,13 +390,24 @@ class _Exchange:
     return jax.lax.all_to_all(x, self.axes, 0, 0, tiled=True)
 
   def loop(self, one_pass, init):
+    """Pass 0 in straight-line code, passes 1.. (overflow) in a loop.
+
+    Peeling the first pass keeps the common case free of collectives
+    inside a while loop. It also avoids a deadlock seen on XLA:CPU: a train
+    step loaded from the persistent compilation cache, whose lookups ran
+    their first pass inside the loop, hung with one device in a lookup's
+    all-to-all and the other in a gradient all-reduce (every time, on 2
+    devices); with the first pass peeled it ran, overflow passes included.
+    """
+
     def cond(c):
       return c[0] < self.passes
 
     def step(c):
       return c[0] + 1, one_pass(c[0], c[1])
 
-    return jax.lax.while_loop(cond, step, (jnp.int32(0), init))[1]
+    first = one_pass(jnp.int32(0), init)
+    return jax.lax.while_loop(cond, step, (jnp.int32(1), first))[1]
 
 
 def _split(rows_me, like):
