@@ -21,6 +21,9 @@ __all__ = ["Config", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig"]
 
 FP8_FORMATS = ("off", "deepseek", "mxfp8")
 FP8_LAYER_FAMILIES = ("attn", "ffn", "input", "heads")
+SEQ_ATTENTION = ("softmax", "block", "sliding")
+CAND_ATTENTION = ("softmax", "gdpa")
+GDPA_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,35 @@ class ModelConfig:
   # outliers are worse, in higher precision).
   fp8_weight_grads: bool = False
   fp8_implementation: str | None = None  # None = best for platform
+  # Attention kinds (pallas_kernels), each selectable by config. SeqFormer
+  # self-attention: "softmax" (jagged flash attention, G1), "block" (softmax
+  # inside `block_size`-position blocks, RoPE fused, G3) or "sliding" (keys
+  # within `sliding_window` positions, XLA; the seed's intermediate step).
+  seq_attention: str = "softmax"
+  block_size: int = 64  # 32, 64 or 128
+  sliding_window: int = 64
+  # Candidate cross-attention: "softmax" or "gdpa" (activation attention,
+  # G2) with `gdpa_activation` ("gelu", "gelu_tanh", "silu") and
+  # `gdpa_normalize` (None or "hstu": divide by the number of keys).
+  cand_attention: str = "softmax"
+  gdpa_activation: str = "gelu_tanh"
+  gdpa_normalize: str | None = None
+  # Pooled attention (G2): this many learned queries compress each request's
+  # history by GDPA into vectors added to the request's user vector; 0 = off.
+  pooled_queries: int = 0
 
   def __post_init__(self):
+    for name, value, allowed in (
+      ("seq_attention", self.seq_attention, SEQ_ATTENTION),
+      ("block_size", self.block_size, (32, 64, 128)),
+      ("cand_attention", self.cand_attention, CAND_ATTENTION),
+      ("gdpa_activation", self.gdpa_activation, GDPA_ACTIVATIONS),
+      ("gdpa_normalize", self.gdpa_normalize, (None, "hstu")),
+    ):
+      if value not in allowed:
+        raise ValueError(f"{name}={value!r}: one of {allowed}")
+    if self.sliding_window < 1 or self.pooled_queries < 0:
+      raise ValueError("sliding_window must be >= 1, pooled_queries >= 0")
     if self.fp8 not in FP8_FORMATS:
       raise ValueError(f"fp8={self.fp8!r}: one of {FP8_FORMATS}")
     bad = set(self.fp8_layers) - set(FP8_LAYER_FAMILIES)

@@ -11,8 +11,14 @@ One module serves both stages:
 
 GQA (O7): `n` query heads share `k` KV heads (default 8/2, KV memory / 4).
 QK-norm (O8): RMSNorm over the head dim on Q and K after projection.
-All attention goes through `pallas_kernels.jagged_attention`, so the Pallas
-kernel replaces the reference without model changes.
+All attention goes through `pallas_kernels` ops, so the Pallas kernels
+replace the references without model changes. `kind` picks the op
+(`attention_options` reads it from the config): "softmax"
+(`jagged_attention`, G1), "gdpa" (activation attention, G2: no softmax, for
+candidates over a short or long history), "block" (softmax inside fixed
+blocks, G3; RoPE applied inside the op) or "sliding" (a window of positions,
+the seed's intermediate step; XLA). "block" and "sliding" are
+self-attention only.
 FP8 (G4, `fp8=` settings): the Q/K/V/O projections are `Fp8Dense`; `x_q`
 and `x_kv` may then be `Fp8Tensor`s from a quantizing norm (quantized once,
 read by all three input projections).
@@ -23,6 +29,29 @@ from flax import nnx
 
 import pallas_kernels
 from gemjax.model.layers import Fp8Settings, RMSNorm, dense, rope
+from pallas_kernels.block_attention import (
+  block_attention,
+  sliding_window_attention,
+)
+from pallas_kernels.gdpa import gdpa
+
+KINDS = ("softmax", "gdpa", "block", "sliding")
+
+
+def attention_options(cfg, stage: str) -> dict:
+  """`Attention` settings of a SeqFormer ("seq") or candidate ("cand")
+  block from the `ModelConfig`."""
+  if stage == "seq":
+    return dict(
+      kind=cfg.seq_attention,
+      block_size=cfg.block_size,
+      window=cfg.sliding_window,
+    )
+  return dict(
+    kind=cfg.cand_attention,
+    activation=cfg.gdpa_activation,
+    normalize=cfg.gdpa_normalize,
+  )
 
 
 class Attention(nnx.Module):
@@ -38,7 +67,16 @@ class Attention(nnx.Module):
     dtype,
     implementation: str | None = None,
     fp8: Fp8Settings | None = None,
+    kind: str = "softmax",
+    block_size: int = 64,
+    window: int = 64,
+    activation: str = "gelu_tanh",
+    normalize: str | None = None,
   ):
+    if kind not in KINDS:
+      raise ValueError(f"attention kind {kind!r}: one of {KINDS}")
+    self.kind, self.block_size, self.window = kind, block_size, window
+    self.activation, self.normalize = activation, normalize
     if num_heads % num_kv_heads:
       raise ValueError(
         f"num_heads={num_heads} must be a multiple of num_kv_heads="
@@ -79,22 +117,61 @@ class Attention(nnx.Module):
     v_skh = self.v_proj(x_kv).reshape(s, self.k, self.h)
     if self.q_norm is not None:
       q_tnh, k_skh = self.q_norm(q_tnh), self.k_norm(k_skh)
+    if self.kind in ("block", "sliding"):
+      # Self-attention; RoPE at in-sequence positions inside the op (fused
+      # into the block kernel), so `q_pos` only says whether to apply it.
+      kw = dict(
+        rope=None if q_pos is None else rope_theta,
+        causal=causal,
+        max_len=max_len_q,
+      )
+      if self.kind == "block":
+        o_tnh = block_attention(
+          q_tnh,
+          k_skh,
+          v_skh,
+          q_offsets,
+          block=self.block_size,
+          implementation=self.implementation,
+          **kw,
+        )
+      else:
+        o_tnh = sliding_window_attention(
+          q_tnh, k_skh, v_skh, q_offsets, window=self.window, **kw
+        )
+      return self.o(o_tnh.reshape(t, self.n * self.h))
     if q_pos is not None:
       q_tnh, k_skh = (
         rope(q_tnh, q_pos, rope_theta),
         rope(k_skh, kv_pos, rope_theta),
       )
-    o_tnh = pallas_kernels.jagged_attention(
-      q_tnh,
-      k_skh,
-      v_skh,
-      q_offsets,
-      kv_offsets,
-      causal=causal,
-      max_len_q=max_len_q,
-      max_len_kv=max_len_kv,
-      implementation=self.implementation,
-    )
+    if self.kind == "gdpa":
+      if causal:
+        raise ValueError("gdpa attention is not causal")
+      o_tnh = gdpa(
+        q_tnh,
+        k_skh,
+        v_skh,
+        q_offsets,
+        kv_offsets,
+        activation=self.activation,
+        normalize=self.normalize,
+        max_len_q=max_len_q,
+        max_len_kv=max_len_kv,
+        implementation=self.implementation,
+      )
+    else:
+      o_tnh = pallas_kernels.jagged_attention(
+        q_tnh,
+        k_skh,
+        v_skh,
+        q_offsets,
+        kv_offsets,
+        causal=causal,
+        max_len_q=max_len_q,
+        max_len_kv=max_len_kv,
+        implementation=self.implementation,
+      )
     return self.o(o_tnh.reshape(t, self.n * self.h))
 
 

@@ -16,6 +16,11 @@ For one jagged batch (see `gemjax.data.jagged`):
 A request with an empty history still scores its candidates (its attention
 output is zero); its sequence positions get zero gradients.
 
+Attention options (`ModelConfig`, G2/G3): `seq_attention` (softmax, block,
+sliding) for stage 1, `cand_attention` (softmax, gdpa) for stage 2, and
+`pooled_queries > 0` adds a GDPA summary of the history by learned queries
+(`gemjax.model.pooling`) to each request's user vector.
+
 FP8 (G4, `cfg.fp8`): which layers run in FP8 is decided by
 `layers.fp8_for`; the cross blocks count after the SeqFormer blocks in the
 depth, the input projections are family "input", the bottom MLP "heads";
@@ -30,6 +35,7 @@ from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
 from gemjax.model.embeddings import Embeddings
 from gemjax.model.experts import DHEN
 from gemjax.model.layers import Dense, RMSNorm, dense, fp8_for
+from gemjax.model.pooling import PooledAttention
 from gemjax.model.seqformer import Block, SeqFormer
 
 
@@ -139,7 +145,9 @@ class RankingModel(nnx.Module):
     )
     self.cross = nnx.List(
       [
-        CrossBlock(cfg, rngs=rngs, dtype=dtype, index=cfg.num_layers + j)
+        CrossBlock(
+          cfg, rngs=rngs, dtype=dtype, index=cfg.num_layers + j, stage="cand"
+        )
         for j in range(cfg.cross_layers)
       ]
     )
@@ -153,6 +161,12 @@ class RankingModel(nnx.Module):
       fp8=fp8_for(cfg, "heads"),
     )
     self.num_dense = num_dense
+    # G2 pooled attention: learned queries summarize the history (optional).
+    self.pooling = (
+      PooledAttention(cfg, rngs=rngs, dtype=dtype)
+      if cfg.pooled_queries
+      else None
+    )
     # G6: optional DHEN expert stack between candidate features and heads.
     self.dhen = (
       DHEN(2 * cfg.d_model + e, cfg.dhen_layers, rngs=rngs, dtype=dtype)
@@ -194,6 +208,8 @@ class RankingModel(nnx.Module):
       else jnp.zeros((batch.num_requests, 1), jnp.float32)
     )
     user_bd = self.dense_proj(dense)
+    if self.pooling is not None:
+      user_bd = user_bd + self.pooling(seq_td, batch.offsets, max_len=max_len)
     cand_emb = self.embeddings.concat(batch.cand, CAND_FEATURES)
     c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
     for blk in self.cross:

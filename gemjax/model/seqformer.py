@@ -16,7 +16,7 @@ a norm that returns its output quantized, so the projections read 8 bits.
 
 from flax import nnx
 
-from gemjax.model.attention import Attention, positions
+from gemjax.model.attention import Attention, attention_options, positions
 from gemjax.model.layers import RMSNorm, SwiGLU, fp8_for, swiglu_hidden
 
 
@@ -24,9 +24,19 @@ class Block(nnx.Module):
   """Parameters of one pre-norm block: attention and SwiGLU FFN.
 
   `index`: the block's depth index, which decides FP8 (`layers.fp8_for`).
+  `stage`: "seq" (SeqFormer) or "cand" (candidate cross-attention) picks
+  the attention kind (`attention.attention_options`).
   """
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, dtype, index: int | None = None):
+  def __init__(
+    self,
+    cfg,
+    *,
+    rngs: nnx.Rngs,
+    dtype,
+    index: int | None = None,
+    stage: str = "seq",
+  ):
     attn_fp8 = fp8_for(cfg, "attn", index)
     ffn_fp8 = fp8_for(cfg, "ffn", index)
     self.attn_norm = RMSNorm(cfg.d_model, "embed", quantize=attn_fp8)
@@ -40,6 +50,7 @@ class Block(nnx.Module):
       dtype=dtype,
       implementation=cfg.attention_implementation,
       fp8=attn_fp8,
+      **attention_options(cfg, stage),
     )
     self.ffn_norm = RMSNorm(cfg.d_model, "embed", quantize=ffn_fp8)
     self.ffn = SwiGLU(
