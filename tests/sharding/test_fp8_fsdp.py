@@ -242,7 +242,8 @@ def test_ranking_train_step_all_gathers_8_bit_weights():
   cfg = config.load("smoke", [
     "model.d_model=256", "model.num_layers=1", "model.num_heads=8",
     "model.num_kv_heads=2", "model.head_hidden=32", "model.fp8=mxfp8",
-    "model.fp8_keep_last=0", "data.num_items=64", "data.num_categories=12",
+    "model.fp8_keep_last=0", "model.cross_layers=1",
+    "data.num_items=64", "data.num_categories=12",
     "data.num_users=8",
   ])  # fmt: skip
   model_def, params = build(cfg, 0)
