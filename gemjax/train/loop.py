@@ -157,27 +157,6 @@ def _host_state(params, tx, seed: int) -> dict:
   }
 
 
-def _state_axes(state, param_axes):
-  """Logical axes for the whole state: optimizer moments follow their
-  parameter; row-wise accumulators follow the table's rows; scalars none."""
-  shapes = {}
-  flat_params = jax.tree_util.tree_flatten_with_path(state["params"])[0]
-  for path, x in flat_params:
-    axes = param_axes
-    for k in path:
-      axes = axes[k.key]
-    shapes.setdefault(x.shape, axes)
-
-  def axes_of(x):
-    if x.ndim == 0:
-      return ()
-    if x.shape in shapes:
-      return shapes[x.shape]
-    return (None,) * x.ndim if x.ndim > 1 else ("table_rows",)
-
-  return jax.tree.map(axes_of, state)
-
-
 class Progress:
   """One live line on stderr: step, loss, samples/s, tokens/s, ETA."""
 

@@ -31,7 +31,7 @@ from gemjax import config
 from gemjax.data.jagged import stack
 from gemjax.model import layers
 from gemjax.train import step as step_lib
-from gemjax.train.loop import _host_state, _state_axes
+from gemjax.train.loop import _host_state
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 from sharding import hlo
@@ -251,7 +251,7 @@ def test_ranking_train_step_all_gathers_8_bit_weights():
   state = _host_state(params, tx, 0)
   mesh = _mesh(8)
   shardings = sharding.tree_shardings(
-    _state_axes(state, model_def.logical_axes), state, mesh, "fsdp"
+    sharding.state_axes(state, model_def.logical_axes), state, mesh, "fsdp"
   )
   vocab = cfg.data.vocab_sizes()
   batch = stack([
