@@ -252,7 +252,8 @@ def test_config_checks_and_overrides():
   assert layers.fp8_for(cfg.model, "heads").hadamard == 32
   assert layers.fp8_for(cfg.model, "input") is None
   assert not layers.fp8_for(cfg.model, "attn").weight_grads
-  cfg = config.load("smoke", ["model.fp8=deepseek", "model.fp8_weight_grads=1"])
+  cfg = config.load("smoke", ["model.fp8=deepseek", "model.fp8_weight_grads=1",
+                              "model.cross_layers=1"])  # fmt: skip
   assert layers.fp8_for(cfg.model, "ffn", 0).weight_grads
   assert layers.fp8_for(cfg.model, "ffn", 2) is None  # the cross block
 
