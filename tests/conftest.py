@@ -16,13 +16,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
       if "gpu" in item.keywords:
         item.add_marker(skip)
-
-
-# Many tests train tiny models with identical shapes: a persistent compilation
-# cache (shared by the xdist workers) compiles each program once per session.
-jax.config.update(
-  "jax_compilation_cache_dir",
-  os.environ.get("GEMJAX_TEST_JAX_CACHE", "/tmp/gemjax-test-jax-cache"),
-)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
