@@ -188,6 +188,24 @@ def act_grad(x, name: str, tanh: str = "poly"):
   raise ValueError(name)
 
 
+def act_and_grad(x, name: str, tanh: str = "poly"):
+  """`(a(x), a'(x))` sharing the transcendental parts (dK/dV kernel)."""
+  if name == "silu":
+    sig = 1.0 / (1.0 + jnp.exp(-x))
+    return x * sig, sig * (1.0 + x * (1.0 - sig))
+  if name == "gelu":
+    erf, e = _erf_parts(x)
+    cdf = 0.5 * (1.0 + erf)
+    return x * cdf, cdf + x * e * (1.0 / math.sqrt(2.0 * math.pi))
+  if name == "gelu_tanh":
+    x2 = x * x
+    th = _tanh(_GELU_C * (x + _GELU_A * (x2 * x)), tanh)
+    du = _GELU_C * (1.0 + (3.0 * _GELU_A) * x2)
+    half = 0.5 * (1.0 + th)
+    return x * half, half + 0.5 * x * (1.0 - th * th) * du
+  raise ValueError(name)
+
+
 # --------------------------------------------------------------------------
 # Work lists.
 
@@ -562,14 +580,14 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
           plgpu.barrier_wait(q_bar.at[slot])
           xt = jmg._matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
           xt = xt * scale
-          pt = act(xt, name, tanh)
+          pt, dact = act_and_grad(xt, name, tanh)
           if hstu:
             pt = pt * mult
           dv = jmg._accumulate(dv, pt.astype(dtype), do_smem.at[slot], static)
           dpt = jmg._matmul(
             v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
           )
-          dst = act_grad(xt, name, tanh) * dpt
+          dst = dact * dpt
           dst = dst * (mult * scale) if hstu else dst * scale
           dk = jmg._accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
           plgpu.barrier_arrive(free.at[slot])

@@ -172,6 +172,9 @@ def test_kernel_activations_match_reference(name):
     tol = 2e-4 if tanh == "poly" and name == "gelu_tanh" else 2e-6
     assert (jnp.abs(got - want) / scale).max() <= tol, tanh
     assert (jnp.abs(got_grad - want_grad) / scale).max() <= 2 * tol, tanh
+    both = mg.act_and_grad(x, name, tanh)
+    np.testing.assert_allclose(both[0], got, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(both[1], got_grad, rtol=1e-6, atol=1e-6)
   zero = jnp.zeros((2,), jnp.float32)
   assert not mg.act(zero, name).any()  # a zero-filled key adds exactly 0
 

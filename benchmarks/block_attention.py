@@ -1,0 +1,369 @@
+"""Block attention (G3): our Mosaic GPU kernels vs cuDNN on the batch cut
+into blocks, and vs sliding-window attention.
+
+    PYTHONPATH=. python3 benchmarks/block_attention.py [--out DIR]
+        [--mixes all2048,lognormal] [--smoke]
+
+B=32 sequences, D=128, 8 query heads over 2 KV heads (the model's GQA),
+bf16, blocks of 64 with RoPE (theta 10,000) applied inside the op; lengths
+(a) all 2,048, (b) log-normal (median 1,100, sigma 0.6, capped at 2,048).
+In one process:
+- ours: `block_attention(block=64, rope=theta)` on the packed buffer;
+- cuDNN on the batch reshaped into blocks: every non-empty 64-position
+  block of every sequence as one row of a `[blocks, 64, n, h]` batch (the
+  gather is made outside the timed call, zero-padded last blocks with
+  per-block lengths), XLA RoPE on that layout inside the timed call, then
+  `jax.nn.dot_product_attention(implementation="cudnn")`;
+- sliding window (window 64 each side, the seed's previous step): the XLA
+  banded implementation `sliding_window_reference` (cuDNN rejects a
+  non-causal (64, 64) window, BASELINES.md), RoPE included.
+Useful FLOPs (`4 n h` per real query-key pair; x3.5 forward+backward) are
+counted per op, so "useful TFLOP/s" is MFU-like (the seed's +44% over the
+sliding window is an MFU ratio). The op is memory-bound, so the forward is
+also reported as a fraction of the copy bandwidth measured here (bytes = Q,
+K, V, O once). Goals (issue 4): forward and forward+backward >= 1.5x the
+cuDNN-blocks baseline, forward >= 80% of copy bandwidth, and >= 1.44x the
+sliding window. A correctness check against the f32 reference (forward
+and the three gradients) and against cuDNN (forward) runs first.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+if "--smoke" in sys.argv:
+  # GPU interpret mode runs each warpgroup as a separate XLA:CPU program on
+  # its own Python thread; with the default host client on a small machine
+  # they were seen to deadlock. Eight host devices (as tests/conftest.py
+  # sets) avoid it. Must be set before JAX starts.
+  flag = "--xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from pallas_kernels.block_attention.op import block_attention_mosaic
+from pallas_kernels.block_attention.reference import (
+  block_attention_reference,
+  rope_reference,
+  sliding_window_reference,
+)
+
+B, LMAX, N, KH, D = 32, 2048, 8, 2, 128
+BLOCK, WINDOW, THETA = 64, 64, 10_000.0
+DTYPE = jnp.bfloat16
+R = 4  # input sets per timed call
+TAIL = 64
+ITERS, WARMUP = 20, 2
+CUDNN = "cudnn"
+INTERPRET = None  # GPU interpret mode under --smoke
+SMOKE = False
+GOALS = {"fwd": 1.5, "fwdbwd": 1.5}
+SLIDING_GOAL = 1.44
+COPY_GOAL = 0.8
+
+
+def offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def lengths(mix, rng):
+  if mix == "lognormal":
+    x = np.exp(rng.normal(np.log(1100 * LMAX / 2048), 0.6, B))
+    return np.clip(np.round(x), 1, LMAX).astype(np.int32)
+  if mix == "all2048":
+    return np.full(B, LMAX, np.int32)
+  raise ValueError(mix)
+
+
+def blocks_of(lens):
+  """Every non-empty block: (sequence, first position, valid rows)."""
+  out = []
+  for i, n in enumerate(lens):
+    for start in range(0, int(n), BLOCK):
+      out.append((i, start, min(BLOCK, int(n) - start)))
+  return np.array(out, np.int32)
+
+
+def to_blocks(x_t, off, blocks):
+  """Packed `[t, ...]` -> `[blocks, 64, ...]`, zeros past each block."""
+  seq, start, valid = blocks.T
+  idx = off[seq][:, None] + start[:, None] + np.arange(BLOCK)[None, :]
+  ok = np.arange(BLOCK)[None, :] < valid[:, None]
+  idx = np.where(ok, idx, 0)
+  return jnp.where(ok[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
+
+
+def timed(fn, sets, iters=None):
+  """Median seconds per input set of `fn(*set)`, len(sets) sets per call."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  iters = ITERS if iters is None else min(iters, ITERS)
+  sec = common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters)
+  return sec / len(sets)
+
+
+def loss_grad(attn):
+  def f(q, k, v, do):
+    return jax.grad(
+      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
+      argnums=(0, 1, 2),
+    )(q, k, v)
+
+  return f
+
+
+def copy_bandwidth():
+  """Device copy TB/s (read + write), measured here."""
+  if SMOKE:
+    return 1.0
+  x = jax.random.normal(jax.random.key(1), (1 << 29,), DTYPE)  # 1 GiB
+  cp = jax.jit(lambda x: x + 1)
+  bw = 2 * x.nbytes / common.time_fn(cp, (x,), warmup=3, iters=20) / 1e12
+  print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
+  return bw
+
+
+def rel_err(g, w):
+  g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+  return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
+def run_case(mix, rng, records, bw):
+  lens = lengths(mix, rng)
+  off = offsets(lens)
+  t = -(-(int(off[-1]) + TAIL) // 64) * 64
+  off_j = jnp.asarray(off)
+  sets = []
+  for r in range(R):
+    ks = jax.random.split(jax.random.key(100 * len(records) + r), 4)
+    sets.append(
+      (
+        jax.random.normal(ks[0], (t, N, D), DTYPE),
+        jax.random.normal(ks[1], (t, KH, D), DTYPE),
+        jax.random.normal(ks[2], (t, KH, D), DTYPE),
+        jax.random.normal(ks[3], (t, N, D), DTYPE),
+      )
+    )
+  blocks = blocks_of(lens)
+  pairs_block = float(np.sum(blocks[:, 2].astype(np.float64) ** 2))
+  # Real (query, key) pairs of the sliding window: per query, the keys of
+  # its sequence within WINDOW positions on either side, itself included.
+  pairs_window = float(
+    sum(
+      np.sum(
+        np.minimum(np.arange(n), WINDOW)
+        + np.minimum(n - 1 - np.arange(n), WINDOW)
+        + 1
+      )
+      for n in lens.astype(np.int64)
+    )
+  )
+  flops = {"block": 4.0 * N * D * pairs_block}
+  flops["window"] = 4.0 * N * D * pairs_window
+  bytes_fwd = 2.0 * off[-1] * (2 * N * D + 2 * KH * D)
+
+  def ours(q, k, v):
+    return block_attention_mosaic(
+      q,
+      k,
+      v,
+      off_j,
+      block=BLOCK,
+      rope=THETA,
+      max_len=LMAX,
+      interpret=INTERPRET,
+    )
+
+  def sliding(q, k, v):
+    return sliding_window_reference(
+      q, k, v, off_j, window=WINDOW, rope=THETA, max_len=LMAX
+    )
+
+  valid_j = jnp.asarray(blocks[:, 2])
+  pos_blocks = jnp.asarray(blocks[:, 1])[:, None] + jnp.arange(BLOCK)
+
+  def cudnn_blocks(q, k, v):
+    nb = q.shape[0]
+    flat = pos_blocks.reshape(-1)
+    q = rope_reference(q.reshape(nb * BLOCK, N, D), flat, THETA)
+    k = rope_reference(k.reshape(nb * BLOCK, KH, D), flat, THETA)
+    return jax.nn.dot_product_attention(
+      q.reshape(nb, BLOCK, N, D),
+      k.reshape(nb, BLOCK, KH, D),
+      v,
+      implementation=CUDNN,
+      query_seq_lengths=valid_j,
+      key_value_seq_lengths=valid_j,
+    )
+
+  blocked = [
+    tuple(to_blocks(x, off, blocks) for x in s) for s in sets
+  ]  # fmt: skip
+
+  # Correctness first: ours vs the f32 reference (forward and gradients),
+  # and ours vs the cuDNN-blocks baseline (forward, real rows).
+  q, k, v, do = sets[0]
+
+  def fwd_bwd(fn, q, k, v, do):
+    o, vjp = jax.vjp(fn, q, k, v)
+    return (o, *vjp(do))
+
+  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
+  with jax.default_matmul_precision("highest"):
+
+    def ref(q, k, v):
+      return block_attention_reference(
+        q, k, v, off_j, block=BLOCK, rope=THETA, max_len=LMAX
+      )
+
+    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(
+      *(x.astype(jnp.float32) for x in (q, k, v, do))
+    )
+  errs = {
+    n: rel_err(g, w)
+    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
+  }
+  o_blocks = to_blocks(got[0], off, blocks)
+  c = jax.jit(cudnn_blocks)(*blocked[0][:3])
+  ok = np.arange(BLOCK)[None, :] < blocks[:, 2:3]
+  errs["o_vs_cudnn"] = rel_err(np.asarray(o_blocks)[ok], np.asarray(c)[ok])
+  print(f"{mix}: ours rel err {errs}", flush=True)
+  assert all(e < 2e-2 for e in errs.values()), errs
+
+  times = {}
+  for name, fn, args in (
+    ("mosaic", ours, sets),
+    ("cudnn_blocks", cudnn_blocks, blocked),
+    ("sliding_window", sliding, sets),
+  ):
+    for kind, f in (
+      ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
+      ("fwdbwd", loss_grad(fn)),
+    ):
+      try:
+        times[name, kind] = timed(f, args)
+      except Exception as e:
+        print(f"{mix} {name} {kind}: {type(e).__name__} {str(e)[:300]}")
+
+  for (impl, kind), sec in times.items():
+    mult = 3.5 if kind == "fwdbwd" else 1.0
+    op_flops = flops["window" if impl == "sliding_window" else "block"]
+    tf = op_flops * mult / sec / 1e12
+    print(
+      f"{mix:10s} {impl:15s} {kind:7s} {sec * 1e3:8.3f} ms "
+      f"{tf:7.1f} useful TFLOP/s",
+      flush=True,
+    )
+    base = times.get(("cudnn_blocks", kind))
+    records.append(
+      common.record(
+        "block_attention",
+        mix,
+        impl,
+        f"{kind}_ms",
+        sec * 1e3,
+        baseline=None if impl == "cudnn_blocks" else "cudnn_blocks",
+        baseline_value=None
+        if impl == "cudnn_blocks" or not base
+        else base * 1e3,
+        lower_is_better=True,
+      )
+    )
+    if impl != "mosaic":
+      continue
+    if base:  # same op: useful TFLOP/s ratio = time ratio
+      records.append(
+        common.record(
+          "block_attention",
+          mix,
+          impl,
+          f"{kind}_useful_tflops",
+          tf,
+          baseline="cudnn_blocks",
+          baseline_value=op_flops * mult / base / 1e12,
+          goal=GOALS[kind],
+        )
+      )
+    sw = times.get(("sliding_window", kind))
+    if sw:  # MFU-like: each op's own useful FLOPs
+      records.append(
+        common.record(
+          "block_attention",
+          mix,
+          impl,
+          f"{kind}_useful_tflops",
+          tf,
+          baseline="sliding_window",
+          baseline_value=flops["window"] * mult / sw / 1e12,
+          goal=SLIDING_GOAL,
+        )
+      )
+      records.append(
+        common.record(
+          "block_attention",
+          mix,
+          impl,
+          f"{kind}_speedup_vs_sliding_window",
+          sw / sec,
+          ratio=sw / sec,
+        )
+      )
+  if ("mosaic", "fwd") in times:
+    frac = bytes_fwd / times["mosaic", "fwd"] / 1e12 / bw
+    print(f"{mix:10s} forward at {frac:.1%} of copy bandwidth", flush=True)
+    records.append(
+      common.record(
+        "block_attention",
+        mix,
+        "mosaic",
+        "fwd_copy_bandwidth_fraction",
+        frac,
+        baseline="copy_tb_per_s",
+        baseline_value=bw,
+        goal=COPY_GOAL,
+        ratio=frac,
+      )
+    )
+
+
+def write(records, args):
+  if not args.smoke:
+    return common.write_results("block_attention", records, args.out)
+  common.print_table(records)  # a smoke run never touches results/
+  if not args.out:
+    return None
+  path = pathlib.Path(args.out, "block_attention.json")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(records, indent=1) + "\n")
+  return path
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--mixes", default="all2048,lognormal")
+  parser.add_argument("--smoke", action="store_true", help="CPU dry run")
+  args = parser.parse_args()
+  global B, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET, SMOKE
+  if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, LMAX, R, ITERS, WARMUP, CUDNN = 2, 150, 1, 1, 0, "xla"
+    INTERPRET = plgpu.InterpretGPUParams()
+    SMOKE = True
+  print(common.device_name(), jax.__version__, flush=True)
+  bw = copy_bandwidth()
+  records = []
+  for mix in args.mixes.split(","):
+    rng = np.random.default_rng(0)
+    run_case(mix, rng, records, bw)
+    path = write(records, args)  # after every case: keep what was measured
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()

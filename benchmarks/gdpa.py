@@ -1,0 +1,395 @@
+"""GDPA (G2): our Mosaic GPU kernels vs cuDNN softmax attention and XLA.
+
+    PYTHONPATH=. python3 benchmarks/gdpa.py [--out DIR] [--tune CASES]
+        [--cases cross16,cross64,cross256,pooled] [--smoke]
+
+D=128, 8 query heads over 2 KV heads (the model's GQA), bf16, in one
+process:
+- cross: B=32 sequences of 2,048 queries over 16, 64 or 256 keys each;
+- pooled: 16 (learned) queries per sequence over log-normal histories
+  (median 1,100, sigma 0.6, capped at 2,048).
+Ours is `gdpa(activation="gelu_tanh", tanh="poly")` on the packed buffers
+(schedule, side tiles and deal built inside the timed call); the baselines
+are cuDNN softmax attention (`jax.nn.dot_product_attention(
+implementation="cudnn")`) on the padded `[B, L]` layout with per-sample
+lengths, and an XLA GELU-attention (two einsums and a GELU) on the same
+padded layout; padded copies are made outside the timed calls. Also timed
+(forward only): our kernels with exact GELU, SiLU and the exact-tanh GELU.
+
+Useful FLOPs only: `4 n h sum_b Lq_b Lkv_b` forward, 3.5x that forward +
+backward (as in BASELINES.md). Short KV makes these shapes memory-bound,
+so the forward is also reported as a fraction of the roofline
+`min(peak, bandwidth x FLOP/byte)`, with bytes = Q + K + V + O once and the
+peak (bf16 matmul) and bandwidth (copy) measured in this process. Goals
+(issue 4): forward >= 1.6x cuDNN, forward+backward >= 1.5x at every KV
+length, forward >= 80% of the roofline. A correctness check against the
+f32 reference (forward and the three gradients) runs first on every case.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+if "--smoke" in sys.argv:
+  # GPU interpret mode runs each warpgroup as a separate XLA:CPU program on
+  # its own Python thread; with the default host client on a small machine
+  # they were seen to deadlock. Eight host devices (as tests/conftest.py
+  # sets) avoid it. Must be set before JAX starts.
+  flag = "--xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from pallas_kernels.gdpa import mosaic_gpu as mg
+from pallas_kernels.gdpa.op import gdpa_mosaic
+from pallas_kernels.gdpa.reference import apply_activation, gdpa_reference
+
+B, LQ, N, KH, D = 32, 2048, 8, 2, 128
+KV_LENS = (16, 64, 256)
+POOLED_Q = 16
+LMAX = 2048
+DTYPE = jnp.bfloat16
+R = 4  # input sets per timed call
+TAIL = 64
+ITERS, WARMUP = 20, 2
+CUDNN = "cudnn"
+INTERPRET = None  # GPU interpret mode under --smoke
+SMOKE_SIZES = None
+GOALS = {"fwd": 1.6, "fwdbwd": 1.5}
+ROOFLINE_GOAL = 0.8
+ACT = "gelu_tanh"
+
+
+def offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def pad(x_t, off, lmax):
+  """Packed `[t, ...]` -> padded `[b, lmax, ...]` (zeros past each length)."""
+  lens = np.diff(off)
+  idx = off[:-1, None] + np.arange(lmax)[None, :]
+  valid = np.arange(lmax)[None, :] < lens[:, None]
+  idx = np.where(valid, idx, 0)
+  return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
+
+
+def capacity(n_rows):
+  return -(-(n_rows + TAIL) // 64) * 64
+
+
+def make_sets(q_off, kv_off, seed):
+  t, s = capacity(int(q_off[-1])), capacity(int(kv_off[-1]))
+  sets = []
+  for r in range(R):
+    ks = jax.random.split(jax.random.key(seed * 100 + r), 4)
+    q = jax.random.normal(ks[0], (t, N, D), DTYPE)
+    k = jax.random.normal(ks[1], (s, KH, D), DTYPE)
+    v = jax.random.normal(ks[2], (s, KH, D), DTYPE)
+    do = jax.random.normal(ks[3], (t, N, D), DTYPE)
+    sets.append((q, k, v, do))
+  return sets
+
+
+def timed(fn, sets, iters=None):
+  """Median seconds per input set of `fn(*set)`, len(sets) sets per call."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  iters = ITERS if iters is None else min(iters, ITERS)
+  sec = common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters)
+  return sec / len(sets)
+
+
+def loss_grad(attn):
+  def f(q, k, v, do):
+    return jax.grad(
+      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
+      argnums=(0, 1, 2),
+    )(q, k, v)
+
+  return f
+
+
+def xla_activation_attention(q, k, v, kv_lens, name=ACT):
+  """Padded XLA GDPA: `act(scale Q K^T) V`, bf16 operands, f32 accumulate."""
+  b, lq, n, h = q.shape
+  kh, lk = k.shape[2], k.shape[1]
+  qg = q.reshape(b, lq, kh, n // kh, h)
+  s = jnp.einsum(
+    "blkgh,bmkh->bkglm", qg, k, preferred_element_type=jnp.float32
+  ) * (h**-0.5)
+  p = apply_activation(s, name)
+  valid = jnp.arange(lk)[None, :] < kv_lens[:, None]
+  p = jnp.where(valid[:, None, None, None, :], p, 0.0).astype(q.dtype)
+  o = jnp.einsum("bkglm,bmkh->blkgh", p, v, preferred_element_type=jnp.float32)
+  return o.reshape(b, lq, n, h).astype(q.dtype)
+
+
+def measure_ceilings():
+  """(bf16 matmul TFLOP/s, copy TB/s read+write) measured here."""
+  if SMOKE_SIZES:
+    return 1.0, 1.0
+  a = jax.random.normal(jax.random.key(0), (8192, 8192), DTYPE)
+  mm = jax.jit(lambda a: a @ a)
+  peak = 2 * 8192**3 / common.time_fn(mm, (a,), warmup=3, iters=20) / 1e12
+  x = jax.random.normal(jax.random.key(1), (1 << 29,), DTYPE)  # 1 GiB
+  cp = jax.jit(lambda x: x + 1)
+  bw = 2 * x.nbytes / common.time_fn(cp, (x,), warmup=3, iters=20) / 1e12
+  print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s")
+  return peak, bw
+
+
+def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
+  """Forward and gradients vs the f32 reference on the first input set."""
+  q, k, v, do = sets[0]
+
+  def ref(q, k, v):
+    return gdpa_reference(
+      q,
+      k,
+      v,
+      q_off,
+      kv_off,
+      activation=ACT,
+      max_len_q=max_q,
+      max_len_kv=max_kv,
+    )
+
+  def fwd_bwd(fn, *args):
+    o, vjp = jax.vjp(fn, *args[:3])
+    return (o, *vjp(args[3]))
+
+  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
+  with jax.default_matmul_precision("highest"):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(*f32)
+  errs = {}
+  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    errs[name] = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+  print(f"{case}: ours vs f32 reference rel err {errs}", flush=True)
+  assert all(e < 2e-2 for e in errs.values()), errs
+
+
+def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
+  q_off, kv_off = offsets(q_lens), offsets(kv_lens)
+  max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+  sets = make_sets(q_off, kv_off, seed=len(records) + 1)
+  q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
+  flops = 4.0 * N * D * float(np.sum(q_lens.astype(np.float64) * kv_lens))
+  bytes_fwd = 2.0 * 2 * (q_off[-1] * N * D + kv_off[-1] * KH * D)
+
+  def ours(q, k, v, activation=ACT, tanh="poly", bs=None):
+    return gdpa_mosaic(
+      q,
+      k,
+      v,
+      q_off_j,
+      kv_off_j,
+      activation=activation,
+      tanh=tanh,
+      block_sizes=bs,
+      interpret=INTERPRET,
+    )
+
+  check(case, ours, q_off_j, kv_off_j, sets, max_q, max_kv)
+
+  q_lens_j, kv_lens_j = jnp.asarray(q_lens), jnp.asarray(kv_lens)
+  padded = [
+    (
+      pad(q, q_off, max_q),
+      pad(k, kv_off, max_kv),
+      pad(v, kv_off, max_kv),
+      pad(do, q_off, max_q),
+    )
+    for q, k, v, do in sets
+  ]
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      implementation=CUDNN,
+      query_seq_lengths=q_lens_j,
+      key_value_seq_lengths=kv_lens_j,
+    )
+
+  def xla(q, k, v):
+    return xla_activation_attention(q, k, v, kv_lens_j)
+
+  times = {}
+  times["mosaic", "fwd"] = timed(lambda q, k, v, do: ours(q, k, v), sets)
+  times["mosaic", "fwdbwd"] = timed(loss_grad(ours), sets)
+  for name, fn in (("cudnn", cudnn), ("xla_gelu", xla)):
+    for kind, f in (
+      ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
+      ("fwdbwd", loss_grad(fn)),
+    ):
+      try:
+        times[name, kind] = timed(f, padded)
+      except Exception as e:  # e.g. cuDNN rejects a shape
+        print(f"{case} {name} {kind}: {type(e).__name__} {str(e)[:300]}")
+  for act, tanh in (("gelu", "poly"), ("silu", "poly"), (ACT, "exact")):
+    label = f"mosaic_{act}" + ("_exact_tanh" if act == ACT else "")
+    times[label, "fwd"] = timed(
+      lambda q, k, v, do, a=act, th=tanh: ours(q, k, v, a, th), sets
+    )
+
+  base = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
+  for (impl, kind), sec in times.items():
+    mult = 3.5 if kind == "fwdbwd" else 1.0
+    tf = flops * mult / sec / 1e12
+    b_sec = base[kind]
+    print(
+      f"{case:12s} {impl:26s} {kind:7s} {sec * 1e3:8.3f} ms "
+      f"{tf:7.1f} useful TFLOP/s",
+      flush=True,
+    )
+    records.append(
+      common.record(
+        "gdpa",
+        case,
+        impl,
+        f"{kind}_ms",
+        sec * 1e3,
+        baseline=None if impl == "cudnn" else "cudnn_padded",
+        baseline_value=None if impl == "cudnn" or not b_sec else b_sec * 1e3,
+        lower_is_better=True,
+      )
+    )
+    if impl != "cudnn" and b_sec:
+      # ratio = our useful TFLOP/s over cuDNN's = cuDNN time / our time.
+      records.append(
+        common.record(
+          "gdpa",
+          case,
+          impl,
+          f"{kind}_useful_tflops",
+          tf,
+          baseline="cudnn_padded",
+          baseline_value=flops * mult / b_sec / 1e12,
+          goal=GOALS[kind] if impl == "mosaic" else None,
+        )
+      )
+  peak, bw = ceilings
+  intensity = flops / bytes_fwd  # FLOP per byte
+  roof = min(peak, bw * intensity)  # TFLOP/s
+  achieved = flops / times["mosaic", "fwd"] / 1e12
+  print(
+    f"{case:12s} roofline {roof:.1f} TFLOP/s (intensity {intensity:.1f} "
+    f"FLOP/B): forward at {achieved / roof:.1%}",
+    flush=True,
+  )
+  records.append(
+    common.record(
+      "gdpa",
+      case,
+      "mosaic",
+      "fwd_roofline_fraction",
+      achieved / roof,
+      baseline="roofline_tflops",
+      baseline_value=roof,
+      goal=ROOFLINE_GOAL,
+      ratio=achieved / roof,
+    )
+  )
+  if case in args.tune.split(","):
+    tune(case, ours, sets, extra)
+
+
+TUNE = [
+  mg.BlockSizes(),
+  mg.BlockSizes(block_kv=128),
+  mg.BlockSizes(kv_stages=3),
+  mg.BlockSizes(kv_stages=4),
+  mg.BlockSizes(deal_chunk=1),
+  mg.BlockSizes(deal_chunk=8),
+  mg.BlockSizes(num_sms=264),
+]
+
+
+def tune(case, ours, sets, extra):
+  """Our forward and forward+backward under other settings."""
+  for bs in TUNE:
+    op = lambda q, k, v, bs=bs: ours(q, k, v, bs=bs)  # noqa: E731
+    for kind, fn in (
+      ("fwd", lambda q, k, v, do, op=op: op(q, k, v)),
+      ("fwdbwd", loss_grad(op)),
+    ):
+      try:
+        sec = timed(fn, sets)
+      except Exception as e:  # e.g. shared memory overflow
+        print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
+        continue
+      print(f"{case:12s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
+      extra.append({"case": case, "part": f"{kind} {bs}", "ms": sec * 1e3})
+
+
+def lognormal(rng, n, median, cap):
+  x = np.exp(rng.normal(np.log(median), 0.6, n))
+  return np.clip(np.round(x), 1, cap).astype(np.int32)
+
+
+def write(records, args):
+  if not args.smoke:
+    return common.write_results("gdpa", records, args.out)
+  common.print_table(records)
+  if not args.out:
+    return None
+  path = pathlib.Path(args.out, "gdpa.json")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(records, indent=1) + "\n")
+  return path
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=None)
+  parser.add_argument(
+    "--tune", default="", help="cases to sweep block sizes on, e.g. cross16"
+  )
+  parser.add_argument("--cases", default="cross16,cross64,cross256,pooled")
+  parser.add_argument("--smoke", action="store_true", help="CPU dry run")
+  args = parser.parse_args()
+  global B, LQ, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET, SMOKE_SIZES
+  global KV_LENS, POOLED_Q
+  if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, LQ, LMAX, R, ITERS, WARMUP, CUDNN = 2, 70, 150, 1, 1, 0, "xla"
+    KV_LENS, POOLED_Q = (16, 64, 130), 3
+    INTERPRET = plgpu.InterpretGPUParams()
+    SMOKE_SIZES = True
+  print(common.device_name(), jax.__version__, flush=True)
+  ceilings = measure_ceilings()
+  records, extra = [], []
+  rng = np.random.default_rng(0)
+  for case in args.cases.split(","):
+    if case.startswith("cross"):
+      kv = int(case[len("cross") :])
+      if args.smoke:
+        kv = {16: 16, 64: 64, 256: 130}[kv]
+      q_lens = np.full(B, LQ, np.int32)
+      kv_lens = np.full(B, kv, np.int32)
+    elif case == "pooled":
+      q_lens = np.full(B, POOLED_Q, np.int32)
+      kv_lens = lognormal(rng, B, 1100 * LMAX / 2048, LMAX)
+    else:
+      raise ValueError(case)
+    run_case(case, q_lens, kv_lens, args, records, extra, ceilings)
+    # Written after every case: a run cut short keeps what it measured.
+    # A smoke run never touches benchmarks/results.
+    path = write(records, args)
+    if extra and args.out:
+      pathlib.Path(args.out, "gdpa_tune.json").write_text(
+        json.dumps(extra, indent=1)
+      )
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()
