@@ -574,6 +574,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         # Epilogue: RoPE backward of dK, then one store of dK and dV.
         if rope:
           a, b = _unrope(dk[0], dk[1], csm)
+          # Order these reads before the producer's next TMA write of the
+          # table (a write by the async proxy after generic-proxy reads).
+          plgpu.commit_smem()
           plgpu.barrier_arrive(cs_free)
           dk = (a * (scale * keep), b * (scale * keep))
         else:

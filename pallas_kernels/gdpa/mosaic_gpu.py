@@ -275,6 +275,15 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
 # Forward and dQ: persistent CTAs over query tiles.
 
 
+def _release(barrier):
+  """Hand a shared-memory buffer back to the producer: a proxy fence, so
+  that the consumer's reads are ordered before the producer's next TMA
+  write into it (the interpreter's race detector asks for it after generic
+  reads), then the arrival."""
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(barrier)
+
+
 def _heads_per_cta(n, kh, h, bs, dq: bool):
   """Query heads per CTA (2 share K/V tiles) if shared memory allows."""
   group = n // kh
@@ -393,12 +402,14 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
           @pl.when(release)
           def _():
-            plgpu.barrier_arrive(kv_free.at[s])
+            # Order this step's reads of the slot before the producer's
+            # next TMA write into it (see `_release`).
+            _release(kv_free.at[s])
 
           return acc
 
         acc = lax.fori_loop(0, steps, step, acc)
-        plgpu.barrier_arrive(q_free.at[slot])
+        _release(q_free.at[slot])
         # The previous tile's stores must have read o_smem before reuse.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_tile = o_smem.at[wg]
@@ -590,7 +601,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
           dst = dact * dpt
           dst = dst * (mult * scale) if hstu else dst * scale
           dk = jmg._accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
-          plgpu.barrier_arrive(free.at[slot])
+          _release(free.at[slot])
           return dk, dv
 
         dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
