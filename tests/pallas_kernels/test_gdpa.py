@@ -258,7 +258,7 @@ def test_gpu_matches_reference(shape, activation, normalize, h):
     kv_lens = np.clip(rng.lognormal(np.log(600), 0.7, b), 1, 2048).astype(int)
   else:
     q_lens = rng.integers(1, 1100, b)
-    kv_lens = q_lens
+    kv_lens = q_lens.copy()
   q_lens[:2], kv_lens[:2] = [0, 1], [5, 0]
   _check_case(
     list(q_lens),
