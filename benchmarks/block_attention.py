@@ -65,6 +65,7 @@ SMOKE = False
 GOALS = {"fwd": 1.5, "fwdbwd": 1.5}
 SLIDING_GOAL = 1.44
 COPY_GOAL = 0.8
+MAX_REL_ERR = 2e-2  # vs the f32 reference (and cuDNN), forward and grads
 
 
 def offsets(lens):
@@ -205,38 +206,31 @@ def run_case(mix, rng, records, bw):
   ]  # fmt: skip
 
   # Correctness first: ours vs the f32 reference (forward and gradients),
-  # and ours vs the cuDNN-blocks baseline (forward, real rows).
-  q, k, v, do = sets[0]
-
-  def fwd_bwd(fn, q, k, v, do):
-    o, vjp = jax.vjp(fn, q, k, v)
-    return (o, *vjp(do))
-
-  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
-  with jax.default_matmul_precision("highest"):
-
-    def ref(q, k, v):
-      return block_attention_reference(
-        q, k, v, off_j, block=BLOCK, rope=THETA, max_len=LMAX
+  # and ours vs the cuDNN-blocks baseline (forward, real rows). A failure
+  # is printed and recorded, and the baselines are still measured.
+  try:
+    errs = check(mix, ours, cudnn_blocks, sets, blocked, off, blocks)
+  except Exception as e:
+    print(f"{mix}: OUR KERNELS FAILED: {type(e).__name__}: {e}"[:3000])
+    errs = None
+  for name, err in (errs or {}).items():
+    records.append(
+      common.record(
+        "block_attention",
+        mix,
+        "mosaic",
+        f"rel_err_{name}",
+        err,
+        goal=MAX_REL_ERR,
+        lower_is_better=True,
       )
-
-    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(
-      *(x.astype(jnp.float32) for x in (q, k, v, do))
     )
-  errs = {
-    n: rel_err(g, w)
-    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
-  }
-  o_blocks = to_blocks(got[0], off, blocks)
-  c = jax.jit(cudnn_blocks)(*blocked[0][:3])
-  ok = np.arange(BLOCK)[None, :] < blocks[:, 2:3]
-  errs["o_vs_cudnn"] = rel_err(np.asarray(o_blocks)[ok], np.asarray(c)[ok])
-  print(f"{mix}: ours rel err {errs}", flush=True)
-  assert all(e < 2e-2 for e in errs.values()), errs
+  if errs and max(errs.values()) >= MAX_REL_ERR:
+    print(f"{mix}: CHECK FAILED (rel err >= {MAX_REL_ERR})", flush=True)
 
   times = {}
   for name, fn, args in (
-    ("mosaic", ours, sets),
+    *([("mosaic", ours, sets)] if errs is not None else []),
     ("cudnn_blocks", cudnn_blocks, blocked),
     ("sliding_window", sliding, sets),
   ):
@@ -328,6 +322,40 @@ def run_case(mix, rng, records, bw):
         ratio=frac,
       )
     )
+
+
+def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):
+  """Relative errors of ours vs the f32 reference and vs cuDNN."""
+  q, k, v, do = sets[0]
+  off_j = jnp.asarray(off)
+
+  def fwd_bwd(fn, q, k, v, do):
+    o, vjp = jax.vjp(fn, q, k, v)
+    return (o, *vjp(do))
+
+  def ref(q, k, v):
+    return block_attention_reference(
+      q, k, v, off_j, block=BLOCK, rope=THETA, max_len=LMAX
+    )
+
+  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
+  with jax.default_matmul_precision("highest"):
+    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(
+      *(x.astype(jnp.float32) for x in (q, k, v, do))
+    )
+  errs = {
+    n: rel_err(g, w)
+    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
+  }
+  try:  # the baseline may fail on its own; that is not our error
+    o_blocks = to_blocks(got[0], off, blocks)
+    c = jax.jit(cudnn_blocks)(*blocked[0][:3])
+    ok = np.arange(BLOCK)[None, :] < blocks[:, 2:3]
+    errs["o_vs_cudnn"] = rel_err(np.asarray(o_blocks)[ok], np.asarray(c)[ok])
+  except Exception as e:
+    print(f"{mix}: cuDNN blocks failed: {type(e).__name__}: {str(e)[:300]}")
+  print(f"{mix}: ours rel err {errs}", flush=True)
+  return errs
 
 
 def write(records, args):

@@ -604,24 +604,38 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
           _release(free.at[slot])
           return dk, dv
 
-        dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
-        dk_smem = dk_smem2.at[wg]
-        dv_smem = dv_smem2.at[wg]
-        dk_smem[...] = dk.astype(dtype)
-        dv_smem[...] = dv.astype(dtype)
-        plgpu.commit_smem()
         my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
-        for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
-          jmg._ladder_store(
-            src,
-            lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
-            my_lo,
-            count,
-            bkv,
-          )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(count > 0)
+        def _():
+          dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+          dk_smem = dk_smem2.at[wg]
+          dv_smem = dv_smem2.at[wg]
+          dk_smem[...] = dk.astype(dtype)
+          dv_smem[...] = dv.astype(dtype)
+          plgpu.commit_smem()
+          for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
+            jmg._ladder_store(
+              src,
+              lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
+              my_lo,
+              count,
+              bkv,
+            )
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        # A warpgroup whose 64 key rows all lie past the sequence (short
+        # keys: the common case of cross-attention) computes nothing, but
+        # still consumes the ring so the barrier phases stay in step.
+        @pl.when(count == 0)
+        def _():
+          @pl.loop(0, total)
+          def _(j):
+            slot = lax.rem(j, mcs)
+            plgpu.barrier_wait(q_bar.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
 
       @pl.when(wg == wgs)
       def _memory():
