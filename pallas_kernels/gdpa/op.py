@@ -21,6 +21,7 @@ from pallas_kernels.jagged_attention.op import _pad_rows
 from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
+TANH_MODES = ("poly", "poly_unchecked", "exact")
 DKV_BLOCK = 128  # key rows per dK/dV CTA (two warpgroups of 64)
 
 
@@ -108,14 +109,15 @@ def gdpa_mosaic(
 ):
   """Mosaic GPU GDPA (Hopper); same contract as the reference.
 
-  `tanh`: `"poly"` (polynomial on its valid range, exact tanh outside) or
+  `tanh`: `"poly"` (polynomial on its valid range, exact tanh outside),
+  `"poly_unchecked"` (polynomial only: the caller guarantees the range) or
   `"exact"`; only `activation="gelu_tanh"` uses it. `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
   """
   check_settings(activation, normalize)
-  if tanh not in ("poly", "exact"):
-    raise ValueError(f"tanh {tanh!r}: 'poly' or 'exact'")
+  if tanh not in TANH_MODES:
+    raise ValueError(f"tanh {tanh!r}: one of {TANH_MODES}")
   t, n, h = q_tnh.shape
   s, kh, _ = k_skh.shape
   if n % kh:
@@ -177,7 +179,8 @@ def gdpa(
     activation: "gelu" (erf), "gelu_tanh" or "silu".
     normalize: None, or "hstu" (divide by the sequence's number of keys).
     scale: score scale, default `h ** -0.5`.
-    tanh: "poly" (degree-6 polynomial where accurate, see `mosaic_gpu`) or
+    tanh: "poly" (degree-6 polynomial where accurate, see `mosaic_gpu`),
+      "poly_unchecked" (polynomial only; the caller bounds the scores) or
       "exact"; kernels only (the reference is exact).
     max_len_q, max_len_kv: static bounds on one sequence's length (the
       reference pads to them; the kernels only check them).

@@ -177,6 +177,13 @@ def test_tanh_polynomial_error_on_its_range():
   u = jnp.linspace(-mg.TANH_POLY_RANGE, mg.TANH_POLY_RANGE, 200_001)
   err = jnp.abs(mg.tanh_poly(u) - jnp.tanh(u)).max()
   assert err <= mg.TANH_POLY_ERROR, err
+  # The unchecked mode is the polynomial alone (right only on the range).
+  np.testing.assert_allclose(
+    mg.act(u, "gelu_tanh", "poly_unchecked"),
+    0.5 * u * (1.0 + mg.tanh_poly(0.7978845608 * (u + 0.044715 * u**3))),
+    rtol=1e-6,
+    atol=1e-7,
+  )
   # ... and the Taylor coefficients would not do on this range.
   taylor = u - u**3 / 3 + 2 * u**5 / 15
   assert jnp.abs(taylor - jnp.tanh(u)).max() > 10 * mg.TANH_POLY_ERROR
