@@ -264,7 +264,7 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
       (ACT, "exact"),
       (ACT, "poly_unchecked"),
     ):
-      label = f"mosaic_{act}" + (f"_{tanh}_tanh" if act == ACT else "")
+      label = f"mosaic_{act}" + (f"_{tanh}" if act == ACT else "")
       fn = lambda q, k, v, do, a=act, th=tanh: ours(q, k, v, a, th)  # noqa: E731
       runs.append((label, "fwd", fn, sets))
   times = {}
