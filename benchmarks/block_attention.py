@@ -28,9 +28,7 @@ and the three gradients) and against cuDNN (forward) runs first.
 """
 
 import argparse
-import json
 import os
-import pathlib
 import sys
 
 if "--smoke" in sys.argv:
@@ -68,8 +66,10 @@ COPY_GOAL = 0.8
 MAX_REL_ERR = 2e-2  # vs the f32 reference (and cuDNN), forward and grads
 
 
-def offsets(lens):
-  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+def timed(fn, sets, iters=None):
+  """Median seconds per input set (see `common.time_sets`)."""
+  iters = ITERS if iters is None else min(iters, ITERS)
+  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
 
 
 def lengths(mix, rng):
@@ -99,43 +99,16 @@ def to_blocks(x_t, off, blocks):
   return jnp.where(ok[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
 
 
-def timed(fn, sets, iters=None):
-  """Median seconds per input set of `fn(*set)`, len(sets) sets per call."""
-  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  iters = ITERS if iters is None else min(iters, ITERS)
-  sec = common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters)
-  return sec / len(sets)
-
-
-def loss_grad(attn):
-  def f(q, k, v, do):
-    return jax.grad(
-      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
-      argnums=(0, 1, 2),
-    )(q, k, v)
-
-  return f
-
-
 def copy_bandwidth():
   """Device copy TB/s (read + write), measured here."""
   if SMOKE:
     return 1.0
-  x = jax.random.normal(jax.random.key(1), (1 << 29,), DTYPE)  # 1 GiB
-  cp = jax.jit(lambda x: x + 1)
-  bw = 2 * x.nbytes / common.time_fn(cp, (x,), warmup=3, iters=20) / 1e12
-  print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
-  return bw
-
-
-def rel_err(g, w):
-  g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-  return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+  return common.copy_bandwidth()
 
 
 def run_case(mix, rng, records, bw):
   lens = lengths(mix, rng)
-  off = offsets(lens)
+  off = common.offsets(lens)
   t = -(-(int(off[-1]) + TAIL) // 64) * 64
   off_j = jnp.asarray(off)
   sets = []
@@ -236,7 +209,7 @@ def run_case(mix, rng, records, bw):
   ):
     for kind, f in (
       ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
-      ("fwdbwd", loss_grad(fn)),
+      ("fwdbwd", common.loss_grad(fn)),
     ):
       try:
         times[name, kind] = timed(f, args)
@@ -344,30 +317,20 @@ def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):
       *(x.astype(jnp.float32) for x in (q, k, v, do))
     )
   errs = {
-    n: rel_err(g, w)
+    n: common.rel_err(g, w)
     for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
   }
   try:  # the baseline may fail on its own; that is not our error
     o_blocks = to_blocks(got[0], off, blocks)
     c = jax.jit(cudnn_blocks)(*blocked[0][:3])
     ok = np.arange(BLOCK)[None, :] < blocks[:, 2:3]
-    errs["o_vs_cudnn"] = rel_err(np.asarray(o_blocks)[ok], np.asarray(c)[ok])
+    errs["o_vs_cudnn"] = common.rel_err(
+      np.asarray(o_blocks)[ok], np.asarray(c)[ok]
+    )
   except Exception as e:
     print(f"{mix}: cuDNN blocks failed: {type(e).__name__}: {str(e)[:300]}")
   print(f"{mix}: ours rel err {errs}", flush=True)
   return errs
-
-
-def write(records, args):
-  if not args.smoke:
-    return common.write_results("block_attention", records, args.out)
-  common.print_table(records)  # a smoke run never touches results/
-  if not args.out:
-    return None
-  path = pathlib.Path(args.out, "block_attention.json")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(records, indent=1) + "\n")
-  return path
 
 
 def main():
@@ -389,7 +352,9 @@ def main():
   for mix in args.mixes.split(","):
     rng = np.random.default_rng(0)
     run_case(mix, rng, records, bw)
-    path = write(records, args)  # after every case: keep what was measured
+    path = common.write_results(
+      "block_attention", records, args.out, dry_run=args.smoke
+    )  # after every case: keep what was measured
   print("wrote", path)
 
 

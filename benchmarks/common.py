@@ -12,6 +12,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -37,6 +38,99 @@ def time_fn(fn, *arg_sets, warmup: int = 3, iters: int = 20) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
+
+
+def time_sets(fn, sets, *, warmup: int, iters: int) -> float:
+  """Median seconds per input set of `fn(*set)`, all sets in one jitted call
+  (several sets per call keep launch gaps and caches out of the figure)."""
+  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
+  return time_fn(batched, (sets,), warmup=warmup, iters=iters) / len(sets)
+
+
+def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
+  """Median seconds per call on the device, launch gaps left out.
+
+  `calls` launches are queued back to back (rotating over `arg_sets`) and
+  synchronized once, so host dispatch overlaps device work; the median over
+  `repeats` such batches is returned. For kernels short enough that a sync
+  per call would show (memory-bound ops, copies).
+  """
+  for a in arg_sets:
+    jax.block_until_ready(fn(*a))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return float(np.median(times))
+
+
+def copy_bandwidths(nbytes: int = 1 << 30, **timing) -> dict[str, float]:
+  """Device copy bandwidth in TB/s (bytes read + written) of two XLA ops,
+  `jnp.copy` and `x + 1`, on two `[n / 2048, 2048]` bf16 arrays of
+  `nbytes` each (queued calls, see `device_time`)."""
+  shape = (max(nbytes // 2 // 2048, 1), 2048)
+  xs = [
+    jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(
+      jnp.bfloat16
+    )
+    for i in range(2)
+  ]
+  moved = 2 * xs[0].nbytes
+  ops = {
+    "xla copy": jax.jit(jnp.copy),
+    "xla x+1": jax.jit(lambda x: x + jnp.asarray(1, x.dtype)),
+  }
+  return {
+    name: moved / device_time(op, [(x,) for x in xs], **timing) / 1e12
+    for name, op in ops.items()
+  }
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, **timing) -> float:
+  """The best of `copy_bandwidths` (TB/s), printed with its parts: the
+  ceiling a memory-bound kernel's bytes are compared with."""
+  bws = copy_bandwidths(nbytes, **timing)
+  parts = ", ".join(f"{k} {v:.2f}" for k, v in bws.items())
+  print(f"copy bandwidth {max(bws.values()):.2f} TB/s ({parts})", flush=True)
+  return max(bws.values())
+
+
+# Attention benchmarks: jagged inputs and their padded baselines.
+
+
+def offsets(lens):
+  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def pad(x_t, off, lmax):
+  """Packed `[t, ...]` -> padded `[b, lmax, ...]` (zeros past each length)."""
+  lens = np.diff(off)
+  idx = off[:-1, None] + np.arange(lmax)[None, :]
+  valid = np.arange(lmax)[None, :] < lens[:, None]
+  idx = np.where(valid, idx, 0)
+  return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
+
+
+def rel_err(got, want) -> float:
+  """Relative Frobenius error of `got` against `want` (computed in f32)."""
+  g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
+def loss_grad(attn):
+  """`(q, k, v, do) -> (dq, dk, dv)` of `attn`: what forward+backward times."""
+
+  def f(q, k, v, do):
+    return jax.grad(
+      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
+      argnums=(0, 1, 2),
+    )(q, k, v)
+
+  return f
 
 
 def record(
@@ -99,16 +193,32 @@ def print_table(records: list[dict]) -> None:
     print(" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def write_results(name: str, records: list[dict], out_dir=None) -> pathlib.Path:
-  """Write records to results/<name>.json (and to `out_dir` too, if given)."""
+def write_results(
+  name: str, records: list[dict], out_dir=None, *, dry_run: bool = False
+):
+  """Print the table and write `results/<name>.json` (and `out_dir`, if
+  given, with the same content).
+
+  Records replace earlier ones with the same (case, impl, metric) and leave
+  the others, so a run that re-measures some cases (`--dims 64`, or a run
+  cut short) never erases figures it did not measure; delete the file to drop
+  cases that no longer exist. A `dry_run` (CPU smoke run) writes only to
+  `out_dir`. Returns the first path written, or None.
+  """
   print_table(records)
-  paths = [RESULTS / f"{name}.json"]
+  path = RESULTS / f"{name}.json"
+  if not dry_run and path.exists():
+    key = lambda r: (r["case"], r["impl"], r["metric"])
+    new = {key(r) for r in records}
+    old = [r for r in json.loads(path.read_text()) if key(r) not in new]
+    records = old + records
+  targets = [] if dry_run else [path]
   if out_dir:
-    paths.append(pathlib.Path(out_dir) / f"{name}.json")
-  for p in paths:
+    targets.append(pathlib.Path(out_dir) / f"{name}.json")
+  for p in targets:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(records, indent=1) + "\n")
-  return paths[0]
+  return targets[0] if targets else None
 
 
 def _fmt(v) -> str:

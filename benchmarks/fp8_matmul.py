@@ -24,7 +24,6 @@ calls (inputs rotated between two sets), so launch gaps overlap; see
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 import traceback
@@ -49,19 +48,8 @@ QUICK = False  # --quick: the two formats' forward and one backward only
 OUT_DIR = None
 
 
-def _time(fn, arg_sets, reps: int = 7, inner: int = 10) -> float:
-  """Median seconds per call of `fn`, calls issued back to back."""
-  jax.block_until_ready(fn(*arg_sets[0]))
-  jax.block_until_ready(fn(*arg_sets[-1]))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(inner):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
+def _time(fn, arg_sets) -> float:
+  return common.device_time(fn, arg_sets, calls=10)
 
 
 def _rel(a, b) -> float:
@@ -99,28 +87,12 @@ class Bench:
 
 
 def copy_bandwidth(b: Bench) -> float:
-  """Device copy bandwidth (bytes read + written), best of two XLA copies."""
-  best = 0.0
-  for dtype, op in (
-    (BF16, lambda v: v + BF16(1)),
-    (jnp.float32, lambda v: v * 2),
-  ):
-    size = (1 << (16 if jax.default_backend() == "cpu" else 28)) * (
-      4 // jnp.dtype(dtype).itemsize
-    )
-    x = [jax.random.normal(jax.random.key(i), (size,), dtype) for i in (0, 1)]
-    t = _time(jax.jit(op), [(v,) for v in x])
-    bw = 2 * x[0].nbytes / t
-    name = jnp.dtype(dtype).name
-    b.add(
-      f"copy {x[0].nbytes >> 20}MiB {name}",
-      "xla elementwise",
-      "TB/s",
-      bw / 1e12,
-    )
-    best = max(best, bw)
-    del x
-  return best
+  """Device copy bandwidth (bytes read + written), best of two XLA ops."""
+  nbytes = 1 << (17 if jax.default_backend() == "cpu" else 29)
+  bws = common.copy_bandwidths(nbytes, calls=10)
+  for name, bw in bws.items():
+    b.add(f"copy {nbytes >> 20}MiB bf16", name, "TB/s", bw)
+  return max(bws.values()) * 1e12
 
 
 def _inputs(m, k, n, seed):
@@ -460,7 +432,8 @@ def main(argv=None):
     _save(b.records, args.out)
   if not args.no_sweep and time.perf_counter() - t0 < args.max_seconds:
     sweep(b)
-  common.write_results(NAME, b.records, out_dir=args.out)
+  # A --tiny dry run never touches benchmarks/results.
+  common.write_results(NAME, b.records, out_dir=args.out, dry_run=args.tiny)
   if b.failures:
     print(f"{len(b.failures)} failures:")
     for f in b.failures:

@@ -70,17 +70,10 @@ MAX_REL_ERR = 2e-2  # vs the f32 reference, forward and gradients
 ACT = "gelu_tanh"
 
 
-def offsets(lens):
-  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-
-
-def pad(x_t, off, lmax):
-  """Packed `[t, ...]` -> padded `[b, lmax, ...]` (zeros past each length)."""
-  lens = np.diff(off)
-  idx = off[:-1, None] + np.arange(lmax)[None, :]
-  valid = np.arange(lmax)[None, :] < lens[:, None]
-  idx = np.where(valid, idx, 0)
-  return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
+def timed(fn, sets, iters=None):
+  """Median seconds per input set (see `common.time_sets`)."""
+  iters = ITERS if iters is None else min(iters, ITERS)
+  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
 
 
 def capacity(n_rows):
@@ -98,24 +91,6 @@ def make_sets(q_off, kv_off, seed):
     do = jax.random.normal(ks[3], (t, N, D), DTYPE)
     sets.append((q, k, v, do))
   return sets
-
-
-def timed(fn, sets, iters=None):
-  """Median seconds per input set of `fn(*set)`, len(sets) sets per call."""
-  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  iters = ITERS if iters is None else min(iters, ITERS)
-  sec = common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters)
-  return sec / len(sets)
-
-
-def loss_grad(attn):
-  def f(q, k, v, do):
-    return jax.grad(
-      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
-      argnums=(0, 1, 2),
-    )(q, k, v)
-
-  return f
 
 
 def xla_activation_attention(q, k, v, kv_lens, name=ACT):
@@ -140,9 +115,7 @@ def measure_ceilings():
   a = jax.random.normal(jax.random.key(0), (8192, 8192), DTYPE)
   mm = jax.jit(lambda a: a @ a)
   peak = 2 * 8192**3 / common.time_fn(mm, (a,), warmup=3, iters=20) / 1e12
-  x = jax.random.normal(jax.random.key(1), (1 << 29,), DTYPE)  # 1 GiB
-  cp = jax.jit(lambda x: x + 1)
-  bw = 2 * x.nbytes / common.time_fn(cp, (x,), warmup=3, iters=20) / 1e12
+  bw = common.copy_bandwidth()
   print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s")
   return peak, bw
 
@@ -173,14 +146,13 @@ def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
     want = jax.jit(lambda *a: fwd_bwd(ref, *a))(*f32)
   errs = {}
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    errs[name] = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+    errs[name] = common.rel_err(g, w)
   print(f"{case}: ours vs f32 reference rel err {errs}", flush=True)
   return errs
 
 
 def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
-  q_off, kv_off = offsets(q_lens), offsets(kv_lens)
+  q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
   sets = make_sets(q_off, kv_off, seed=len(records) + 1)
   q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
@@ -225,10 +197,10 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
   q_lens_j, kv_lens_j = jnp.asarray(q_lens), jnp.asarray(kv_lens)
   padded = [
     (
-      pad(q, q_off, max_q),
-      pad(k, kv_off, max_kv),
-      pad(v, kv_off, max_kv),
-      pad(do, q_off, max_q),
+      common.pad(q, q_off, max_q),
+      common.pad(k, kv_off, max_kv),
+      common.pad(v, kv_off, max_kv),
+      common.pad(do, q_off, max_q),
     )
     for q, k, v, do in sets
   ]
@@ -250,12 +222,12 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
   if errs is not None:
     runs += [
       ("mosaic", "fwd", lambda q, k, v, do: ours(q, k, v), sets),
-      ("mosaic", "fwdbwd", loss_grad(ours), sets),
+      ("mosaic", "fwdbwd", common.loss_grad(ours), sets),
     ]
   for name, fn in (("cudnn", cudnn), ("xla_gelu", xla)):
     runs += [
       (name, "fwd", lambda q, k, v, do, fn=fn: fn(q, k, v), padded),
-      (name, "fwdbwd", loss_grad(fn), padded),
+      (name, "fwdbwd", common.loss_grad(fn), padded),
     ]
   if errs is not None:
     for act, tanh in (
@@ -355,7 +327,7 @@ def tune(case, ours, sets, extra):
     op = lambda q, k, v, bs=bs: ours(q, k, v, bs=bs)  # noqa: E731
     for kind, fn in (
       ("fwd", lambda q, k, v, do, op=op: op(q, k, v)),
-      ("fwdbwd", loss_grad(op)),
+      ("fwdbwd", common.loss_grad(op)),
     ):
       try:
         sec = timed(fn, sets)
@@ -369,18 +341,6 @@ def tune(case, ours, sets, extra):
 def lognormal(rng, n, median, cap):
   x = np.exp(rng.normal(np.log(median), 0.6, n))
   return np.clip(np.round(x), 1, cap).astype(np.int32)
-
-
-def write(records, args):
-  if not args.smoke:
-    return common.write_results("gdpa", records, args.out)
-  common.print_table(records)
-  if not args.out:
-    return None
-  path = pathlib.Path(args.out, "gdpa.json")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(records, indent=1) + "\n")
-  return path
 
 
 def main():
@@ -420,7 +380,7 @@ def main():
     run_case(case, q_lens, kv_lens, args, records, extra, ceilings)
     # Written after every case: a run cut short keeps what it measured.
     # A smoke run never touches benchmarks/results.
-    path = write(records, args)
+    path = common.write_results("gdpa", records, args.out, dry_run=args.smoke)
     if extra and args.out:
       pathlib.Path(args.out, "gdpa_tune.json").write_text(
         json.dumps(extra, indent=1)

@@ -59,6 +59,12 @@ GOALS = {
 }
 
 
+def timed(fn, sets, iters=None):
+  """Median seconds per input set (see `common.time_sets`)."""
+  iters = ITERS if iters is None else min(iters, ITERS)
+  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
+
+
 def lengths(mix, rng):
   if mix == "lognormal":
     x = np.exp(rng.normal(np.log(1100 * LMAX / 2048), 0.6, B))
@@ -70,21 +76,8 @@ def lengths(mix, rng):
   raise ValueError(mix)
 
 
-def offsets(lens):
-  return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-
-
-def pad(x_t, off, lmax):
-  """Packed `[t, ...]` -> padded `[b, lmax, ...]` (zeros past each length)."""
-  lens = np.diff(off)
-  idx = off[:-1, None] + np.arange(lmax)[None, :]
-  valid = np.arange(lmax)[None, :] < lens[:, None]
-  idx = np.where(valid, idx, 0)
-  return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
-
-
 def make_sets(h, q_lens, kv_lens, seed):
-  q_off, kv_off = offsets(q_lens), offsets(kv_lens)
+  q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   # Buffer capacity: tokens plus a small tail, rounded to 64 rows as a
   # packer's static `max_tokens` would be.
   t = -(-(int(q_off[-1]) + TAIL) // 64) * 64
@@ -98,25 +91,6 @@ def make_sets(h, q_lens, kv_lens, seed):
     do = jax.random.normal(ks[3], (t, N, h), DTYPE)
     sets.append((q, k, v, do))
   return q_off, kv_off, sets
-
-
-def timed(fn, sets, iters=ITERS):
-  """Median seconds per input set of `fn(*set)`, R sets per jitted call."""
-  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  iters = min(iters, ITERS)
-  return common.time_fn(batched, (sets,), warmup=WARMUP, iters=iters) / len(
-    sets
-  )
-
-
-def loss_grad(attn):
-  def f(q, k, v, do):
-    return jax.grad(
-      lambda q, k, v: jnp.vdot(attn(q, k, v).astype(jnp.float32), do),
-      argnums=(0, 1, 2),
-    )(q, k, v)
-
-  return f
 
 
 def run_case(h, mix, rng, args, records, extra):
@@ -141,10 +115,10 @@ def run_case(h, mix, rng, args, records, extra):
   kv_lens_j = jnp.asarray(kv_lens)
   padded = [
     (
-      pad(q, q_off, LMAX),
-      pad(k, kv_off, lmax_kv),
-      pad(v, kv_off, lmax_kv),
-      pad(do, q_off, LMAX),
+      common.pad(q, q_off, LMAX),
+      common.pad(k, kv_off, lmax_kv),
+      common.pad(v, kv_off, lmax_kv),
+      common.pad(do, q_off, LMAX),
     )
     for q, k, v, do in sets
   ]
@@ -161,24 +135,22 @@ def run_case(h, mix, rng, args, records, extra):
 
   # Correctness at full scale: ours vs cuDNN on the real rows.
   q, k, v, _ = sets[0]
-  got = pad(jax.jit(ours)(q, k, v), q_off, LMAX)
+  got = common.pad(jax.jit(ours)(q, k, v), q_off, LMAX)
   want = jax.jit(cudnn)(*padded[0][:3])
   valid = np.arange(LMAX)[None, :] < q_lens[:, None]
-  g = np.asarray(got, np.float32)[valid]
-  w = np.asarray(want, np.float32)[valid]
-  rel = float(np.linalg.norm(g - w) / np.linalg.norm(w))
+  rel = common.rel_err(np.asarray(got)[valid], np.asarray(want)[valid])
   print(f"{case}: ours vs cuDNN forward rel err {rel:.2e}", flush=True)
   assert rel < 2e-2, rel
 
   times = {}
   times["mosaic", "fwd"] = timed(lambda q, k, v, do: ours(q, k, v), sets)
-  times["mosaic", "fwdbwd"] = timed(loss_grad(ours), sets)
+  times["mosaic", "fwdbwd"] = timed(common.loss_grad(ours), sets)
   times["cudnn", "fwd"] = timed(lambda q, k, v, do: cudnn(q, k, v), padded)
-  times["cudnn", "fwdbwd"] = timed(loss_grad(cudnn), padded)
+  times["cudnn", "fwdbwd"] = timed(common.loss_grad(cudnn), padded)
   if not args.quick:
     one = sets[:1]
     times["xla", "fwd"] = timed(lambda q, k, v, do: ref(q, k, v), one, 5)
-    times["xla", "fwdbwd"] = timed(loss_grad(ref), one, 5)
+    times["xla", "fwdbwd"] = timed(common.loss_grad(ref), one, 5)
 
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0
@@ -241,7 +213,7 @@ def tune(h, case, q_off, kv_off, sets, extra):
 
     for kind, fn in [
       ("fwd", lambda q, k, v, do, f=ours: f(q, k, v)),
-      ("fwdbwd", loss_grad(ours)),
+      ("fwdbwd", common.loss_grad(ours)),
     ]:
       try:
         sec = timed(fn, sets)
@@ -367,7 +339,9 @@ def main():
       rng = np.random.default_rng(0)  # same lengths for D=64 and D=128
       run_case(h, mix, rng, args, records, extra)
       # Written after every case, so a run cut short keeps what it measured.
-      path = common.write_results("jagged_attention", records, args.out)
+      path = common.write_results(
+        "jagged_attention", records, args.out, dry_run=args.smoke
+      )
       if extra and args.out:
         pathlib.Path(args.out, "jagged_attention_breakdown.json").write_text(
           json.dumps(extra, indent=1)

@@ -23,11 +23,9 @@ import argparse
 import functools
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import common
@@ -67,25 +65,8 @@ GOAL_COPY_FRACTION = 0.9
 CALLS, REPEATS = 30, 7
 
 
-def device_time(fn, arg_sets, *, calls=None, repeats=None) -> float:
-  """Median seconds per call on the device.
-
-  `calls` launches are queued back to back (rotating over `arg_sets`) and
-  synchronized once, so host dispatch overlaps device work and the launch
-  gaps are not counted; the median over `repeats` such batches is returned.
-  """
-  calls, repeats = calls or CALLS, repeats or REPEATS
-  for a in arg_sets:
-    jax.block_until_ready(fn(*a))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(calls):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls)
-  return float(np.median(times))
+def device_time(fn, arg_sets) -> float:
+  return common.device_time(fn, arg_sets, calls=CALLS, repeats=REPEATS)
 
 
 def _randn(key, shape, dtype=DTYPE):
@@ -93,15 +74,9 @@ def _randn(key, shape, dtype=DTYPE):
 
 
 def copy_bandwidth(n: int) -> dict:
-  """Large device-to-device copies; bytes read + written per second."""
-  a = [_randn(jax.random.key(i), (n // 2048, 2048)) for i in range(2)]
-  nbytes = 2 * a[0].size * a[0].dtype.itemsize
-  out = {}
-  copy = jax.jit(lambda x: jnp.copy(x))
-  out["xla copy"] = nbytes / device_time(copy, [(x,) for x in a])
-  add = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
-  out["xla x+1"] = nbytes / device_time(add, [(x,) for x in a])
-  return out
+  """`common.copy_bandwidths` of `n`-element bf16 arrays, in bytes/s."""
+  bws = common.copy_bandwidths(2 * n, calls=CALLS, repeats=REPEATS)
+  return {k: v * 1e12 for k, v in bws.items()}
 
 
 def smem_copy(x_td, block_sizes):
@@ -413,10 +388,10 @@ def main():
       f" {r['block_rows']:5} {r['warps_per_row']:3} {r['stages']:6}"
       f" {r['num_blocks']:6}"
     )
-  if args.small:  # a smoke run: print, but keep the real results file
-    common.print_table(records)
-  else:
-    common.write_results("rms_norm", records, out_dir=args.out)
+  # A --small smoke run never touches benchmarks/results.
+  common.write_results(
+    "rms_norm", records, out_dir=args.out, dry_run=args.small
+  )
 
   if args.sweep:
     for d in DS:

@@ -10,6 +10,12 @@ FP8 (G4): `fp8_quantize` / `fp8_dequantize` (aliases of
 `Fp8Tensor` for the next FP8 matmul.
 """
 
+from pallas_kernels.block_attention import (
+  block_attention,
+  block_attention_reference,
+  sliding_window_attention,
+  sliding_window_reference,
+)
 from pallas_kernels.fp8 import (
   Fp8Tensor,
   fp8_dot_general,
@@ -17,6 +23,7 @@ from pallas_kernels.fp8 import (
 )
 from pallas_kernels.fp8 import dequantize as fp8_dequantize
 from pallas_kernels.fp8 import quantize as fp8_quantize
+from pallas_kernels.gdpa import gdpa, gdpa_reference
 from pallas_kernels.jagged_attention import (
   jagged_attention,
   jagged_attention_reference,
@@ -24,6 +31,12 @@ from pallas_kernels.jagged_attention import (
 from pallas_kernels.rms_norm import Fp8Output, rms_norm, rms_norm_reference
 
 __all__ = [
+  "block_attention",
+  "block_attention_reference",
+  "gdpa",
+  "gdpa_reference",
+  "sliding_window_attention",
+  "sliding_window_reference",
   "Fp8Output",
   "Fp8Tensor",
   "fp8_dequantize",

@@ -28,12 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from gemjax.data.jagged import segment_ids
 from gemjax.model.layers import Fp8Settings, RMSNorm, dense, rope
-from pallas_kernels.block_attention import (
-  block_attention,
-  sliding_window_attention,
-)
-from pallas_kernels.gdpa import gdpa
 
 KINDS = ("softmax", "gdpa", "block", "sliding")
 
@@ -126,7 +122,7 @@ class Attention(nnx.Module):
         max_len=max_len_q,
       )
       if self.kind == "block":
-        o_tnh = block_attention(
+        o_tnh = pallas_kernels.block_attention(
           q_tnh,
           k_skh,
           v_skh,
@@ -136,7 +132,7 @@ class Attention(nnx.Module):
           **kw,
         )
       else:
-        o_tnh = sliding_window_attention(
+        o_tnh = pallas_kernels.sliding_window_attention(
           q_tnh, k_skh, v_skh, q_offsets, window=self.window, **kw
         )
       return self.o(o_tnh.reshape(t, self.n * self.h))
@@ -148,7 +144,7 @@ class Attention(nnx.Module):
     if self.kind == "gdpa":
       if causal:
         raise ValueError("gdpa attention is not causal")
-      o_tnh = gdpa(
+      o_tnh = pallas_kernels.gdpa(
         q_tnh,
         k_skh,
         v_skh,
@@ -179,6 +175,5 @@ def positions(offsets_b, capacity: int):
   """Position of every packed row inside its sequence (0 past the data)."""
   offsets_b = jnp.asarray(offsets_b)
   rows = jnp.arange(capacity)
-  seg = jnp.searchsorted(offsets_b, rows, side="right") - 1
-  seg = jnp.clip(seg, 0, offsets_b.shape[0] - 2)
+  seg = jnp.minimum(segment_ids(offsets_b, capacity), offsets_b.shape[0] - 2)
   return jnp.where(rows < offsets_b[-1], rows - offsets_b[seg], 0)

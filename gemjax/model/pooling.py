@@ -18,8 +18,8 @@ zero.
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from gemjax.model.layers import RMSNorm, dense, param
-from pallas_kernels.gdpa import gdpa
 
 
 class PooledAttention(nnx.Module):
@@ -53,7 +53,7 @@ class PooledAttention(nnx.Module):
     q_tnh = jnp.broadcast_to(q_pnh, (b, self.p, self.n, self.h))
     q_tnh = q_tnh.reshape(b * self.p, self.n, self.h)
     q_offsets = jnp.arange(b + 1, dtype=jnp.int32) * self.p
-    o_tnh = gdpa(
+    o_tnh = pallas_kernels.gdpa(
       q_tnh,
       k_tkh,
       v_tkh,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
+from gemjax.data.jagged import segment_ids
 from gemjax.model.embeddings import Embeddings
 from gemjax.model.experts import DHEN
 from gemjax.model.layers import Dense, RMSNorm, dense, fp8_for
@@ -196,11 +197,8 @@ class RankingModel(nnx.Module):
 
     # Request of each candidate row; rows past the data read request 0 and
     # are masked out of the loss and metrics.
-    rows = jnp.arange(c)
-    req_c = jnp.clip(
-      jnp.searchsorted(batch.cand_offsets, rows, side="right") - 1,
-      0,
-      batch.num_requests - 1,
+    req_c = jnp.minimum(
+      segment_ids(batch.cand_offsets, c), batch.num_requests - 1
     )
     dense = (
       batch.dense

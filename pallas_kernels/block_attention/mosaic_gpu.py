@@ -42,6 +42,16 @@ the backward, dO rows past the end are zeroed too, which makes `dP`,
 Query rows past the end are computed and never written (ladder of TMA
 stores).
 
+Column parts. Every tile of Q, K, V and dO is kept as `h / 64` contiguous
+`[64, 64]` parts, stacked by rows in one buffer (`[parts * 64, 64]`; TMA
+loads each part from its own column window of HBM), and the
+matmuls over the head dim are sums over the parts (`QK^T = sum_p Qp Kp^T`)
+or run per part (`Op = P Vp`). No shared-memory buffer is ever sliced by
+column: loads, stores and wgmma operands all see whole `[64, 64]` tiles
+(one swizzle atom wide). At head dim 128 the two parts are the two halves
+that RoPE pairs (column `c` with `c + 64`), which is why fused RoPE needs
+head dim 128.
+
 Persistent CTAs and the pipeline. The work list (from
 `pallas_kernels.schedule`: only non-empty 64-row tiles, the buffer tail as
 one more sequence) is dealt zig-zag over `w` CTAs per KV head (tiles of one
@@ -66,11 +76,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import schedule
+from pallas_kernels import mosaic, schedule
 from pallas_kernels.gdpa.mosaic_gpu import deal
-from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
 TILE = 64
+PART = 64  # columns of one part of a tile (see "Column parts")
 LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024
 _L = plgpu.Layout.WGMMA
@@ -166,19 +176,15 @@ def fits(h: int, rope: bool) -> bool:
 # Shared pieces.
 
 
-def _iota(shape, dim):
-  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_L)
-
-
 def _acc(acc, a, b, static):
-  """`acc + a @ b` for shared-memory operands (see `jmg._accumulate`)."""
+  """`acc + a @ b` for shared-memory operands (see `mosaic.accumulate`)."""
   if static.interpret is None:
 
     def body(acc_ref):
       plgpu.wgmma(acc_ref, a, b)
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
-  return acc + jmg._matmul(a, b, acc.shape)
+  return acc + mosaic.matmul(a, b, acc.shape)
 
 
 def _zeros(shape):
@@ -186,28 +192,44 @@ def _zeros(shape):
 
 
 def _relayout(raw, dst, *, cs=None, keep_rows=None):
-  """Plain `[64, h]` -> tiled `dst`, rotating by RoPE (`cs`: `[2, 64, h/2]`
-  cos/sin) and zeroing rows `>= keep_rows` (None: keep all)."""
-  h = raw.shape[-1]
-  if cs is None:
-    x = plgpu.load(raw, layout=_L)
+  """Plain `[parts * 64, 64]` -> tiled `dst` (same shape), rotating the two
+  halves by RoPE (`cs`: `[2, 64, h/2]` cos/sin) and zeroing rows
+  `>= keep_rows` (None: keep all)."""
+  xs = [plgpu.load(_part(raw, p), layout=_L) for p in range(_parts(raw))]
+  if cs is not None:  # two parts: the halves RoPE pairs
+    x1, x2 = (x.astype(jnp.float32) for x in xs)
+    cos = plgpu.load(cs.at[0], layout=_L)
+    sin = plgpu.load(cs.at[1], layout=_L)
+    xs = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  for p, x in enumerate(xs):
     if keep_rows is not None:
-      x = jmg._select(_iota(x.shape, 0) < keep_rows, x, 0)
-    dst[...] = x
-    return
-  hh = h // 2
-  x1 = plgpu.load(raw.at[:, pl.ds(0, hh)], layout=_L).astype(jnp.float32)
-  x2 = plgpu.load(raw.at[:, pl.ds(hh, hh)], layout=_L).astype(jnp.float32)
-  cos = plgpu.load(cs.at[0], layout=_L)
-  sin = plgpu.load(cs.at[1], layout=_L)
-  r1 = x1 * cos - x2 * sin
-  r2 = x2 * cos + x1 * sin
-  if keep_rows is not None:
-    keep = _iota(r1.shape, 0) < keep_rows
-    r1 = jmg._select(keep, r1, 0.0)
-    r2 = jmg._select(keep, r2, 0.0)
-  dst.at[:, pl.ds(0, hh)][...] = r1.astype(dst.dtype)
-  dst.at[:, pl.ds(hh, hh)][...] = r2.astype(dst.dtype)
+      x = mosaic.select(mosaic.iota(x.shape, 0) < keep_rows, x, 0)
+    _part(dst, p)[...] = x.astype(dst.dtype)
+
+
+def _parts(ref) -> int:
+  return ref.shape[-2] // TILE
+
+
+def _part(ref, p: int):
+  """Part `p` (`[64, 64]`) of a `[parts * 64, 64]` buffer: a static row
+  window (a static slice, which wgmma operands inside `run_state` take)."""
+  return ref.at[pl.ds(p * TILE, TILE)]
+
+
+def _cols(p, parts, h):
+  """Column window of part `p` in a `[..., h]` HBM array."""
+  return pl.ds(p * (h // parts), h // parts)
+
+
+def _load_tile(src_ref, rows, head, dst, barrier):
+  """TMA one `[64, h]` tile into the parts of plain `dst` (one arrival on
+  `barrier` per part)."""
+  parts, h = _parts(dst), src_ref.shape[-1]
+  for p in range(parts):
+    plgpu.copy_gmem_to_smem(
+      src_ref.at[rows, head, _cols(p, parts, h)], _part(dst, p), barrier
+    )
 
 
 def _unrope(a, b, cs):
@@ -225,18 +247,20 @@ def _probs(x, valid, static):
   block, causal = static.block, static.causal
   cond = None
   if block < TILE:
-    cond = (_iota(x.shape, 0) >= block) == (_iota(x.shape, 1) >= block)
+    cond = (mosaic.iota(x.shape, 0) >= block) == (
+      mosaic.iota(x.shape, 1) >= block
+    )
   if causal:
-    c2 = _iota(x.shape, 1) <= _iota(x.shape, 0)
+    c2 = mosaic.iota(x.shape, 1) <= mosaic.iota(x.shape, 0)
     cond = c2 if cond is None else cond & c2
   if cond is not None:
-    x = jmg._select(cond, x, -jnp.inf)
+    x = mosaic.select(cond, x, -jnp.inf)
   m = x.max(axis=1)
   p = jnp.exp2(x - lax.broadcast_in_dim(m, x.shape, [0]))
   row_sum = p.sum(axis=1)
   if not causal:
     # Zero-filled keys of the row's block: each added 2^(0 - m) to the sum.
-    rows = jmg._row_iota(TILE)
+    rows = mosaic.row_iota(TILE)
     if block < TILE:
       first = rows < block
       seen = jnp.where(first, 0, block) + rows * 0
@@ -246,19 +270,34 @@ def _probs(x, valid, static):
     zf = (block - in_block).astype(jnp.float32)
     row_sum = row_sum - zf * jnp.exp2(-m)
   ok = row_sum > 0
-  inv = jmg._select(ok, 1.0 / jmg._select(ok, row_sum, 1.0), 0.0)
+  inv = mosaic.select(ok, 1.0 / mosaic.select(ok, row_sum, 1.0), 0.0)
   return p * lax.broadcast_in_dim(inv, p.shape, [0])
 
 
 def _store_rows(src, dst_ref, row, head, count):
-  """Rows `[0, count)` of plain `src` to packed rows `row...` of `head`."""
-  jmg._ladder_store(
-    src,
-    lambda r, size: dst_ref.at[pl.ds(row + r, size), head],
-    0,
-    count,
-    TILE,
-  )
+  """Rows `[0, count)` of plain `src` (`[parts * 64, 64]`) to packed rows
+  `row...` of `head`."""
+  parts, h = _parts(src), dst_ref.shape[-1]
+  for p in range(parts):
+    cols = _cols(p, parts, h)
+    mosaic.ladder_store(
+      _part(src, p),
+      lambda r, size, cols=cols: dst_ref.at[pl.ds(row + r, size), head, cols],
+      0,
+      count,
+      TILE,
+    )
+
+
+def _scores(q_t, k_t):
+  """`Q K^T` `[64, 64]` f32: one accumulator, a wgmma per column part."""
+
+  def scoped(acc_ref):
+    for p in range(_parts(q_t)):
+      plgpu.wgmma(acc_ref, _part(q_t, p), _part(k_t, p).transpose((1, 0)))
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
 
 
 def _heads_of(wg, group, nwg):
@@ -280,6 +319,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   while stages > 1 and _fwd_smem(h, nwg, stages, static.rope) > SMEM_BYTES:
     stages -= 1
   rope = static.rope
+  parts, hp = h // PART, PART
   c = static.scale * LOG2E
   num_items = items.shape[0]
   workers = _workers(kh, static.block_sizes, num_items)
@@ -341,10 +381,14 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
             plgpu.commit_smem()
             if rope and jj == len(heads) - 1:
               plgpu.barrier_arrive(cs_free)  # last use of this tile's RoPE
-            x = jmg._matmul(q_t.at[wg_i], k_t.transpose((1, 0)), (TILE, TILE))
-            p = _probs(x * c, valid, static)
-            o = jmg._accumulate(_zeros((TILE, h)), p.astype(dtype), v_t, static)
-            raw[...] = (o * keep).astype(dtype)  # raw Q is no longer needed
+            x = _scores(q_t.at[wg_i], k_t)
+            p = _probs(x * c, valid, static).astype(dtype)
+            for part in range(parts):
+              o = mosaic.accumulate(
+                _zeros((TILE, hp)), p, _part(v_t, part), static.interpret
+              )
+              # Raw Q is no longer needed: it stages the output.
+              _part(raw, part)[...] = (o * keep).astype(dtype)
             plgpu.commit_smem()
             _store_rows(raw, o_ref, row, kv_head * group + g, valid)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -369,8 +413,8 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           plgpu.barrier_wait(raw_free)
 
         rows = pl.ds(row, TILE)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_raw, kv_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_raw, kv_bar)
+        _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
+        _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
         if rope:
 
           @pl.when(j > 0)
@@ -388,8 +432,10 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
             def _(qb=qb):
               plgpu.barrier_wait(q_free.at[qb])
 
-            plgpu.copy_gmem_to_smem(
-              q_ref.at[rows, kv_head * group + g],
+            _load_tile(
+              q_ref,
+              rows,
+              kv_head * group + g,
               q_raw.at[wg_i, slot],
               q_bar.at[qb],
             )
@@ -411,20 +457,21 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         def _(cnt, wg_i=wg_i):
           plgpu.barrier_wait(q_free.at[wg_i * stages + lax.rem(cnt, stages)])
 
-  tiled = jmg._smem_tile
+  tiled = mosaic.smem_tile
+  tile = (parts * TILE, hp)
   scratch = [
-    plgpu.SMEM((TILE, h), dtype),
-    plgpu.SMEM((TILE, h), dtype),
-    tiled((TILE, h), dtype),
-    tiled((TILE, h), dtype),
-    plgpu.SMEM((nwg, stages, TILE, h), dtype),
-    tiled((nwg, TILE, h), dtype),
+    plgpu.SMEM(tile, dtype),
+    plgpu.SMEM(tile, dtype),
+    tiled(tile, dtype),
+    tiled(tile, dtype),
+    plgpu.SMEM((nwg, stages, *tile), dtype),
+    tiled((nwg, *tile), dtype),
     plgpu.SMEM((2, TILE, h // 2), jnp.float32) if rope else None,
-    plgpu.Barrier(num_arrivals=2),
+    plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,
     plgpu.Barrier(num_arrivals=nwg),
     plgpu.Barrier(num_arrivals=nwg) if rope else None,
-    plgpu.Barrier(num_barriers=nwg * stages),
+    plgpu.Barrier(num_arrivals=parts, num_barriers=nwg * stages),
     plgpu.Barrier(num_barriers=nwg * stages),
     plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
   ]
@@ -479,7 +526,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   dtype = q.dtype
   group = n // kh
   rope = static.rope
-  hh = h // 2
+  parts, hp = h // PART, PART
   c = static.scale * LOG2E
   scale = static.scale
   num_items = items.shape[0]
@@ -509,15 +556,12 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     def _consumer():
       plgpu.set_max_registers(240, action="increase")
 
-      def stage_out(x, dst_ref, row, head, count):
-        """f32 rows -> staging buffer -> packed rows (after the previous
+      def stage_out(xs, dst_ref, row, head, count):
+        """f32 parts -> staging buffer -> packed rows (after the previous
         store has read the buffer)."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if isinstance(x, tuple):
-          stage.at[:, pl.ds(0, hh)][...] = x[0].astype(dtype)
-          stage.at[:, pl.ds(hh, hh)][...] = x[1].astype(dtype)
-        else:
-          stage[...] = x.astype(dtype)
+        for p, x in enumerate(xs):
+          _part(stage, p)[...] = x.astype(dtype)
         plgpu.commit_smem()
         _store_rows(stage, dst_ref, row, head, count)
 
@@ -531,11 +575,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
         plgpu.commit_smem()
         plgpu.barrier_arrive(raw_free)
-        if rope:
-          dk = (_zeros((TILE, hh)), _zeros((TILE, hh)))
-        else:
-          dk = _zeros((TILE, h))
-        dv = _zeros((TILE, h))
+        dk = tuple(_zeros((TILE, hp)) for _ in range(parts))
+        dv = tuple(_zeros((TILE, hp)) for _ in range(parts))
 
         def head_step(g, carry):
           dk, dv = carry
@@ -544,45 +585,39 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           _relayout(do_raw, do_t, keep_rows=valid)
           plgpu.commit_smem()
           plgpu.barrier_arrive(qd_free)
-          x = jmg._matmul(q_t, k_t.transpose((1, 0)), (TILE, TILE))
+          x = _scores(q_t, k_t)
           p = _probs(x * c, valid, static)
-          dp = jmg._matmul(do_t, v_t.transpose((1, 0)), (TILE, TILE))
+          dp = _scores(do_t, v_t)
           delta = (p * dp).sum(axis=1)
           ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
           p_s[...] = p.astype(dtype)
           ds_s[...] = ds.astype(dtype)
           plgpu.commit_smem()
-          dv = _acc(dv, p_s.transpose((1, 0)), do_t, static)
+          dv = tuple(
+            _acc(a, p_s.transpose((1, 0)), _part(do_t, i), static)
+            for i, a in enumerate(dv)
+          )
+          dk = tuple(
+            _acc(a, ds_s.transpose((1, 0)), _part(q_t, i), static)
+            for i, a in enumerate(dk)
+          )
+          dq = [
+            mosaic.matmul(ds_s, _part(k_t, i), (TILE, hp)) for i in range(parts)
+          ]
           if rope:
-            halves = [pl.ds(0, hh), pl.ds(hh, hh)]
-            dk = tuple(
-              _acc(a, ds_s.transpose((1, 0)), q_t.at[:, cols], static)
-              for a, cols in zip(dk, halves, strict=True)
-            )
-            dq1, dq2 = (
-              jmg._matmul(ds_s, k_t.at[:, cols], (TILE, hh)) for cols in halves
-            )
-            g1, g2 = _unrope(dq1, dq2, csm)
-            out = (g1 * (scale * keep), g2 * (scale * keep))
-          else:
-            dk = _acc(dk, ds_s.transpose((1, 0)), q_t, static)
-            out = jmg._matmul(ds_s, k_t, (TILE, h)) * (scale * keep)
+            dq = _unrope(*dq, csm)
+          out = [a * (scale * keep) for a in dq]
           stage_out(out, dq_ref, row, kv_head * group + g, valid)
           return dk, dv
 
         dk, dv = lax.fori_loop(0, group, head_step, (dk, dv))
         # Epilogue: RoPE backward of dK, then one store of dK and dV.
         if rope:
-          a, b = _unrope(dk[0], dk[1], csm)
-          # Order these reads before the producer's next TMA write of the
-          # table (a write by the async proxy after generic-proxy reads).
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(cs_free)
-          dk = (a * (scale * keep), b * (scale * keep))
-        else:
-          dk = dk * (scale * keep)
-        stage_out(dk, dk_ref, row, kv_head, valid)
-        stage_out(dv * keep, dv_ref, row, kv_head, valid)
+          dk = _unrope(*dk, csm)
+          # Last read of this tile's table (see `mosaic.release`).
+          mosaic.release(cs_free)
+        stage_out([a * (scale * keep) for a in dk], dk_ref, row, kv_head, valid)
+        stage_out([a * keep for a in dv], dv_ref, row, kv_head, valid)
         return 0
 
       lax.fori_loop(0, n_steps, body, 0)
@@ -598,8 +633,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           plgpu.barrier_wait(qd_free)
 
         head = kv_head * group + g
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_raw, qd_bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_raw, qd_bar)
+        _load_tile(q_ref, rows, head, q_raw, qd_bar)
+        _load_tile(do_ref, rows, head, do_raw, qd_bar)
 
       def body(j, _):
         row, _, pos0, _ = item(j)
@@ -609,8 +644,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           plgpu.barrier_wait(raw_free)
 
         rows = pl.ds(row, TILE)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_raw, kv_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_raw, kv_bar)
+        _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
+        _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
         load_qd(rows, j * group, 0)
         if rope:
 
@@ -635,26 +670,27 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         if rope:
           plgpu.barrier_wait(cs_free)
 
-  tiled = jmg._smem_tile
+  tiled = mosaic.smem_tile
   plain = plgpu.SMEM
+  tile = (parts * TILE, hp)
   scratch = [
-    plain((TILE, h), dtype),
-    plain((TILE, h), dtype),
-    tiled((TILE, h), dtype),
-    tiled((TILE, h), dtype),
-    plain((TILE, h), dtype),
-    plain((TILE, h), dtype),
-    tiled((TILE, h), dtype),
-    tiled((TILE, h), dtype),
+    plain(tile, dtype),
+    plain(tile, dtype),
+    tiled(tile, dtype),
+    tiled(tile, dtype),
+    plain(tile, dtype),
+    plain(tile, dtype),
+    tiled(tile, dtype),
+    tiled(tile, dtype),
     tiled((TILE, TILE), dtype),
     tiled((TILE, TILE), dtype),
-    plain((TILE, h), dtype),
-    plain((2, TILE, hh), jnp.float32) if rope else None,
-    plgpu.Barrier(num_arrivals=2),
+    plain(tile, dtype),
+    plain((2, TILE, h // 2), jnp.float32) if rope else None,
+    plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,
     plgpu.Barrier(),
     plgpu.Barrier() if rope else None,
-    plgpu.Barrier(num_arrivals=2),
+    plgpu.Barrier(num_arrivals=2 * parts),  # Q and dO
     plgpu.Barrier(),
   ]
   args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])

@@ -102,7 +102,7 @@ def block_attention_mosaic(
   elif interpret is False:
     interpret = None
   offsets = jnp.asarray(offsets, jnp.int32)
-  fused_rope = rope is not None and h % 128 == 0
+  fused_rope = rope is not None and h == 2 * mg.PART
   if rope is not None and not fused_rope:
     # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
     pos = positions(offsets, t)

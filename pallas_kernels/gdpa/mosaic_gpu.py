@@ -77,7 +77,7 @@ plus one producer. dK/dV: one CTA per (128-row key tile, KV head), two
 consumers of 64 key rows each, streaming the (Q, dO) tiles of all `g`
 query heads of the KV head: the GQA reduction happens inside the kernel
 (O7). Interpret mode (CPU) runs the same kernels; see
-`jagged_attention.mosaic_gpu._accumulate` for its one substitution.
+`pallas_kernels.mosaic.accumulate` for its one substitution.
 """
 
 import dataclasses
@@ -89,10 +89,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import schedule
+from pallas_kernels import mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
-ALIGN = jmg.ALIGN
+ALIGN = mosaic.ALIGN
 SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per CTA
 
 # tanh(u) ~ u (c0 + c1 u^2 + c2 u^4) on |u| <= TANH_POLY_RANGE (module doc).
@@ -151,7 +151,7 @@ def _tanh(u, mode: str):
     return jnp.tanh(u)
   if mode == "poly_unchecked":
     return tanh_poly(u)
-  return jmg._select(jnp.abs(u) <= TANH_POLY_RANGE, tanh_poly(u), jnp.tanh(u))
+  return mosaic.select(jnp.abs(u) <= TANH_POLY_RANGE, tanh_poly(u), jnp.tanh(u))
 
 
 def _erf_parts(x):
@@ -162,7 +162,7 @@ def _erf_parts(x):
   a1, a2, a3, a4, a5 = _ERF_A
   poly = t * (a1 + t * (a2 + t * (a3 + t * (a4 + t * a5))))
   y = 1.0 - poly * e
-  return jmg._select(x >= 0.0, y, -y), e
+  return mosaic.select(x >= 0.0, y, -y), e
 
 
 def act(x, name: str, tanh: str = "poly"):
@@ -244,12 +244,12 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
   4 query tiles of the sequence, 5 first query tile of this item, 6 query
   tiles of this item, 7 sequence, 8 key length, 9 split index.
   """
-  kv_off, q_off = jmg._seq_tables(kv_offsets, s, q_offsets)
+  kv_off, q_off = jmg.seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
   kv_len_b = kv_off[1:] - kv_off[:-1]
   q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
   kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
-  n_q_b = jnp.where(q_len_b > 0, jmg._cdiv(q_len_b + q_lead_b, block_q), 0)
+  n_q_b = jnp.where(q_len_b > 0, mosaic.cdiv(q_len_b + q_lead_b, block_q), 0)
   sched = schedule.jagged_tile_schedule(
     kv_offsets,
     s,
@@ -279,15 +279,6 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
 
 # --------------------------------------------------------------------------
 # Forward and dQ: persistent CTAs over query tiles.
-
-
-def _release(barrier):
-  """Hand a shared-memory buffer back to the producer: a proxy fence, so
-  that the consumer's reads are ordered before the producer's next TMA
-  write into it (the interpreter's race detector asks for it after generic
-  reads), then the arrival."""
-  plgpu.commit_smem()
-  plgpu.barrier_arrive(barrier)
 
 
 def _heads_per_cta(n, kh, h, bs, dq: bool):
@@ -391,37 +382,41 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           def _():
             plgpu.barrier_wait(kv_bar.at[s])
 
-          x = jmg._matmul(q_tile, k_smem.at[s].transpose((1, 0)), (bq, bkv))
+          x = mosaic.matmul(q_tile, k_smem.at[s].transpose((1, 0)), (bq, bkv))
           x = x * scale
           if is_dq:
-            dp = jmg._matmul(
+            dp = mosaic.matmul(
               do_smem.at[slot, wg], v_smem.at[s].transpose((1, 0)), (bq, bkv)
             )
             ds = act_grad(x, name, tanh) * dp
             ds = ds * (mult * scale) if hstu else ds * scale
-            acc = jmg._accumulate(acc, ds.astype(dtype), k_smem.at[s], static)
+            acc = mosaic.accumulate(
+              acc, ds.astype(dtype), k_smem.at[s], static.interpret
+            )
           else:
             p = act(x, name, tanh)
             if hstu:
               p = p * mult
-            acc = jmg._accumulate(acc, p.astype(dtype), v_smem.at[s], static)
+            acc = mosaic.accumulate(
+              acc, p.astype(dtype), v_smem.at[s], static.interpret
+            )
 
           @pl.when(release)
           def _():
             # Order this step's reads of the slot before the producer's
-            # next TMA write into it (see `_release`).
-            _release(kv_free.at[s])
+            # next TMA write into it (see `mosaic.release`).
+            mosaic.release(kv_free.at[s])
 
           return acc
 
         acc = lax.fori_loop(0, steps, step, acc)
-        _release(q_free.at[slot])
+        mosaic.release(q_free.at[slot])
         # The previous tile's stores must have read o_smem before reuse.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_tile = o_smem.at[wg]
         o_tile[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        jmg._ladder_store(
+        mosaic.ladder_store(
           o_tile,
           lambda r, size: out_ref.at[pl.ds(q_row + r, size), head],
           lo,
@@ -455,7 +450,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           @pl.when(jnp.logical_not(from_side))
           def _(ref=ref, dst=dst):
             plgpu.copy_gmem_to_smem(
-              ref.at[pl.ds(jmg._aligned(kv_row + i * bkv), bkv), kv_head],
+              ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
               dst.at[s],
               kv_bar.at[s],
             )
@@ -468,7 +463,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
         def _():
           plgpu.barrier_wait(q_free.at[slot])
 
-        rows = pl.ds(jmg._aligned(q_row), bq)
+        rows = pl.ds(mosaic.aligned(q_row), bq)
         for g in range(hpc):
           plgpu.copy_gmem_to_smem(
             q_ref.at[rows, hp * hpc + g], q_smem.at[slot, g], q_bar.at[slot]
@@ -505,7 +500,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       def _(j):
         plgpu.barrier_wait(q_free.at[lax.rem(j, 2)])
 
-  tile = jmg._smem_tile
+  tile = mosaic.smem_tile
   scratch = [
     tile((2, hpc, bq, h), dtype),
     *([tile((2, hpc, bq, h), dtype)] if is_dq else []),
@@ -576,7 +571,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
         plgpu.set_max_registers(232, action="increase")
         k_smem = k_smem2.at[wg]
         v_smem = v_smem2.at[wg]
-        base = jmg._aligned(kv_row + wg * bkv)
+        base = mosaic.aligned(kv_row + wg * bkv)
         bar = kv_bar.at[wg]
         plgpu.copy_gmem_to_smem(
           k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
@@ -595,19 +590,25 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
           dk, dv = carry
           slot = lax.rem(j, mcs)
           plgpu.barrier_wait(q_bar.at[slot])
-          xt = jmg._matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          xt = mosaic.matmul(
+            k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq)
+          )
           xt = xt * scale
           pt, dact = act_and_grad(xt, name, tanh)
           if hstu:
             pt = pt * mult
-          dv = jmg._accumulate(dv, pt.astype(dtype), do_smem.at[slot], static)
-          dpt = jmg._matmul(
+          dv = mosaic.accumulate(
+            dv, pt.astype(dtype), do_smem.at[slot], static.interpret
+          )
+          dpt = mosaic.matmul(
             v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
           )
           dst = dact * dpt
           dst = dst * (mult * scale) if hstu else dst * scale
-          dk = jmg._accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
-          _release(free.at[slot])
+          dk = mosaic.accumulate(
+            dk, dst.astype(dtype), q_smem.at[slot], static.interpret
+          )
+          mosaic.release(free.at[slot])
           return dk, dv
 
         my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
@@ -623,7 +624,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
           dv_smem[...] = dv.astype(dtype)
           plgpu.commit_smem()
           for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
-            jmg._ladder_store(
+            mosaic.ladder_store(
               src,
               lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
               my_lo,
@@ -664,7 +665,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
 
             @pl.when(jnp.logical_not(from_side))
             def _(ref=ref, dst=dst):
-              rows = pl.ds(jmg._aligned(q_row0 + tile * bq), bq)
+              rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
               plgpu.copy_gmem_to_smem(
                 ref.at[rows, head], dst.at[slot], q_bar.at[slot]
               )
@@ -685,7 +686,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
         def _(j):
           plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
 
-  tile = jmg._smem_tile
+  tile = mosaic.smem_tile
   scratch = [
     tile((wgs, bkv, h), dtype),
     tile((wgs, bkv, h), dtype),

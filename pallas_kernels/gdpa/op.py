@@ -13,11 +13,10 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mosaic
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.reference import check_settings, gdpa_reference
 from pallas_kernels.jagged_attention import mosaic_gpu as jmg
-from pallas_kernels.jagged_attention.op import _pad_rows
 from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
@@ -46,7 +45,13 @@ def _query_side(static, q, k, v, do, q_off, kv_off):
 def _fwd(static, q, k, v, q_off, kv_off):
   t = q.shape[0]
   o = _query_side(
-    static, _pad_rows(q), _pad_rows(k), _pad_rows(v), None, q_off, kv_off
+    static,
+    mosaic.pad_rows(q),
+    mosaic.pad_rows(k),
+    mosaic.pad_rows(v),
+    None,
+    q_off,
+    kv_off,
   )
   return o[:t], (q, k, v, q_off, kv_off)
 
@@ -59,7 +64,12 @@ def _gdpa(static, q, k, v, q_off, kv_off):
 def _bwd(static, res, do):
   q, k, v, q_off, kv_off = res
   t, s = q.shape[0], k.shape[0]
-  q, k, v, do = _pad_rows(q), _pad_rows(k), _pad_rows(v), _pad_rows(do)
+  q, k, v, do = (
+    mosaic.pad_rows(q),
+    mosaic.pad_rows(k),
+    mosaic.pad_rows(v),
+    mosaic.pad_rows(do),
+  )
   dq = _query_side(static, q, k, v, do, q_off, kv_off)
   items = mg.key_items(
     q_off,

@@ -103,7 +103,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import schedule
+from pallas_kernels import mosaic, schedule
 
 LOG2E = math.log2(math.e)
 
@@ -140,101 +140,11 @@ class _Static:
   interpret: object  # None (compile) or plgpu.InterpretGPUParams
 
 
-def _accumulate(acc, a, b, static: _Static, then=None):
-  """`acc + a @ b` with wgmma into the live accumulator; `then()` runs while
-  the wgmma is in flight. See module docstring for interpret mode."""
-  if static.interpret is None:
-
-    def body(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-      if then is not None:
-        then()
-
-    return pl.run_state(body)(plgpu.ACC.init(acc))
-  # The GPU interpreter takes register (non-ref) wgmma operands badly.
-  out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-  if then is not None:
-    then()
-  return out
-
-
-def _matmul(a, b, shape):
-  """`a @ b` into a fresh f32 accumulator (waits for the result)."""
-
-  def scoped(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]
-
-  return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-
-def _select(cond, x, y):
-  """`jnp.where` with scalars spelled out as full arrays (Mosaic's warpgroup
-  lowering does not broadcast implicitly)."""
-  shape = next(jnp.shape(a) for a in (cond, x, y) if jnp.ndim(a))
-
-  def full(a, dtype):
-    return a if jnp.ndim(a) else jnp.full(shape, a, dtype)
-
-  dtype = next(a.dtype for a in (x, y) if jnp.ndim(a))
-  return jnp.where(full(cond, jnp.bool_), full(x, dtype), full(y, dtype))
-
-
-def _aligned(row):
-  """Tell Mosaic a packed row index is a multiple of 8 (tiled TMA)."""
-  return pl.multiple_of(row, ALIGN)
-
-
-def _iota(shape, dim):
-  return plgpu.broadcasted_iota(
-    jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA
-  )
-
-
-def _row_iota(n):
-  """`[0..n)` laid out like the rows of a wgmma accumulator."""
-  return _iota((n, 64), 0).max(axis=1)
-
-
-def _ladder_store(src_smem, dst_rows, start, count, max_rows: int):
-  """Store rows `[start, start + count)` (dynamic) of `src_smem` with TMA.
-
-  TMA box sizes are static, so the rows go out as one store per set bit of
-  `count` (64, 32, ..., 1): `dst_rows(offset, size)` is the destination
-  window of `size` rows for source rows `[offset, offset + size)`.
-  """
-  size = 1 << (max_rows.bit_length() - 1)
-  while size >= 1:
-
-    @pl.when((count & size) != 0)
-    def _(start=start, size=size):
-      plgpu.copy_smem_to_gmem(
-        src_smem.at[pl.ds(start, size)], dst_rows(start, size)
-      )
-
-    start = start + (count & size)
-    size //= 2
-
-
-_TILING = plgpu.TilingTransform((8, 64))
-_SWIZZLE = plgpu.SwizzleTransform(128)
-
-
-def _smem_tile(shape, dtype):
-  return plgpu.SMEM(shape, dtype, transforms=(_TILING, _SWIZZLE))
-
-
 # --------------------------------------------------------------------------
 # Work lists (built with jnp inside jit; see pallas_kernels/schedule.py).
 
-ALIGN = 8  # tiles start on multiples of 8 rows (tiled TMA; module docstring)
 
-
-def _cdiv(a, b):
-  return (a + b - 1) // b
-
-
-def _seq_tables(offsets, capacity, other_offsets):
+def seq_tables(offsets, capacity, other_offsets):
   """Extended offsets of the tiled side (+ tail pseudo-sequence) and of the
   other side (the pseudo-sequence gets length 0)."""
   off = schedule.extend_offsets(offsets, capacity)
@@ -252,12 +162,14 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
   the sequence's aligned key grid, 5 key length, 6 key lead rows, 7 key
   tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id.
   """
-  q_off, kv_off = _seq_tables(q_offsets, t, kv_offsets)
+  q_off, kv_off = seq_tables(q_offsets, t, kv_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
   kv_len_b = kv_off[1:] - kv_off[:-1]
-  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
-  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
-  kv_total_b = jnp.where(kv_len_b > 0, _cdiv(kv_len_b + kv_lead_b, block_kv), 0)
+  q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
+  kv_total_b = jnp.where(
+    kv_len_b > 0, mosaic.cdiv(kv_len_b + kv_lead_b, block_kv), 0
+  )
 
   def geometry(seq, tile):
     q_pos = tile * block_q - q_lead_b[seq]
@@ -276,7 +188,7 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
     q_offsets,
     t,
     block_q,
-    align=ALIGN,
+    align=mosaic.ALIGN,
     cost=lambda s, i: geometry(s, i)[3] + 1,
   )
   seq, tile = sched.seq_i, sched.tile_i
@@ -312,12 +224,12 @@ def key_items(
   tiles visited per head, 8 how many of those (from the first) need the
   causal mask, 9 forward tile id of the sequence's query tile 0.
   """
-  kv_off, q_off = _seq_tables(kv_offsets, s, q_offsets)
+  kv_off, q_off = seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
   kv_len_b = kv_off[1:] - kv_off[:-1]
-  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
-  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
-  n_q_b = jnp.where(q_len_b > 0, _cdiv(q_len_b + q_lead_b, block_q), 0)
+  q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
+  n_q_b = jnp.where(q_len_b > 0, mosaic.cdiv(q_len_b + q_lead_b, block_q), 0)
 
   def geometry(seq, tile):
     kv_pos = tile * block_kv - kv_lead_b[seq]
@@ -329,7 +241,9 @@ def key_items(
       # First query tile holding a position >= this tile's first key; tiles
       # starting before its last key need the mask.
       first = jnp.clip((kv_pos + lo + lead) // block_q, 0, n_q)
-      masked_end = jnp.clip(_cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q)
+      masked_end = jnp.clip(
+        mosaic.cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q
+      )
       n_masked = jnp.maximum(masked_end - first, 0)
     else:
       first = jnp.zeros_like(tile)
@@ -340,7 +254,7 @@ def key_items(
     kv_offsets,
     s,
     block_kv,
-    align=ALIGN,
+    align=mosaic.ALIGN,
     cost=lambda a, b: geometry(a, b)[4] + 1,
   )
   seq, tile = sched.seq_i, sched.tile_i
@@ -375,8 +289,8 @@ def side_tiles(x_skh, kv_offsets, block_kv):
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
   kv_off = jnp.concatenate([kv_off, kv_off[-1:]])
   length = kv_off[1:] - kv_off[:-1]
-  lead = schedule.lead_rows(kv_off[:-1], ALIGN)
-  total = jnp.maximum(_cdiv(length + lead, block_kv), 1)
+  lead = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
+  total = jnp.maximum(mosaic.cdiv(length + lead, block_kv), 1)
   first_pos = jnp.stack([-lead, (total - 1) * block_kv - lead], axis=1)
   pos = first_pos[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)
   valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]
@@ -389,10 +303,10 @@ def tile_rows(q_offsets, t, block_q, num_items):
   whether it holds a real query row."""
   q_off = schedule.extend_offsets(q_offsets, t)
   seq, tile, valid, _ = schedule.enumerate_tiles(
-    q_off, block_q, ALIGN, num_items
+    q_off, block_q, mosaic.ALIGN, num_items
   )
   length = q_off[1:] - q_off[:-1]
-  lead = schedule.lead_rows(q_off[:-1], ALIGN)
+  lead = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
   pos = (tile * block_q - lead[seq])[:, None] + jnp.arange(block_q)
   ok = valid[:, None] & (pos >= 0) & (pos < length[seq][:, None])
   rows = jnp.where(ok, q_off[seq][:, None] + pos, 0)
@@ -438,7 +352,7 @@ def _kv_producer(
     @pl.when(jnp.logical_not(from_side))
     def _():
       plgpu.copy_gmem_to_smem(
-        ref.at[pl.ds(_aligned(kv_row + i * bkv), bkv), kv_head],
+        ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
         dst.at[slot],
         bar.at[slot],
       )
@@ -506,7 +420,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         head = hp * hpc + wg
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(
-          q_ref.at[pl.ds(_aligned(q_row), bq), head], q_smem, q_bar.at[wg]
+          q_ref.at[pl.ds(mosaic.aligned(q_row), bq), head], q_smem, q_bar.at[wg]
         )
         plgpu.barrier_wait(q_bar.at[wg])
         m_i = plgpu.layout_cast(
@@ -537,9 +451,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
           qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
           if masked:
-            q_at = _iota((bq, bkv), 0) + q_pos
-            k_at = _iota((bq, bkv), 1) + (i * bkv - kv_lead)
-            qk = _select(q_at >= k_at, qk, -jnp.inf)
+            q_at = mosaic.iota((bq, bkv), 0) + q_pos
+            k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
+            qk = mosaic.select(q_at >= k_at, qk, -jnp.inf)
           m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
           alpha = jnp.exp2(m_i - m_ij)
           p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
@@ -559,7 +473,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             def _():
               plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, mcs)])
 
-          acc = _accumulate(acc, p16, v_smem.at[slot], static, wait_next_k)
+          acc = mosaic.accumulate(
+            acc, p16, v_smem.at[slot], static.interpret, wait_next_k
+          )
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_ij, l_i
 
@@ -584,27 +500,29 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         # Zero-filled keys the rows saw (module docstring): positions
         # [-lead, 0) and [kv_len, seen_end).
         seen_end = kv_steps * bkv - kv_lead
-        rows = _row_iota(bq)
+        rows = mosaic.row_iota(bq)
         if causal:
           after = jnp.clip(jnp.minimum(q_pos + rows + 1, seen_end) - kv_len, 0)
           z = kv_lead + after
         else:
           z = seen_end + kv_lead - kv_len + rows * 0
         z = z * (kv_steps > 0).astype(jnp.int32)
-        surplus = _select(z > 0, z.astype(jnp.float32) * jnp.exp2(-m_i), 0.0)
+        surplus = mosaic.select(
+          z > 0, z.astype(jnp.float32) * jnp.exp2(-m_i), 0.0
+        )
         l_i = l_i - surplus
         ok = l_i > 0
-        l_safe = _select(ok, l_i, 1.0)
-        inv = _select(ok, 1.0 / l_safe, 0.0)
+        l_safe = mosaic.select(ok, l_i, 1.0)
+        inv = mosaic.select(ok, 1.0 / l_safe, 0.0)
         out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         in_seq = (rows >= lo) & (rows < hi)
-        lse = _select(ok & in_seq, m_i + jnp.log2(l_safe), jnp.inf)
+        lse = mosaic.select(ok & in_seq, m_i + jnp.log2(l_safe), jnp.inf)
         o_smem = o_smem2.at[wg]
         lse_smem = lse_smem2.at[wg]
         o_smem[...] = out.astype(dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
-        _ladder_store(
+        mosaic.ladder_store(
           o_smem,
           lambda r, size: o_ref.at[pl.ds(q_row + r, size), head],
           lo,
@@ -634,11 +552,11 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         )
 
   scratch = [
-    _smem_tile((hpc, bq, h), dtype),
+    mosaic.smem_tile((hpc, bq, h), dtype),
     plgpu.SMEM((hpc, bq, h), dtype),
     plgpu.SMEM((hpc, bq), jnp.float32),
-    _smem_tile((mcs, bkv, h), dtype),
-    _smem_tile((mcs, bkv, h), dtype),
+    mosaic.smem_tile((mcs, bkv, h), dtype),
+    mosaic.smem_tile((mcs, bkv, h), dtype),
     plgpu.Barrier(num_barriers=hpc),
     plgpu.Barrier(num_barriers=mcs),
     plgpu.Barrier(num_barriers=mcs),
@@ -716,7 +634,7 @@ def backward_dq(
         lse_smem = lse_smem2.at[wg]
         delta_smem = delta_smem2.at[wg]
         bar = in_bar.at[wg]
-        rows = pl.ds(_aligned(q_row), bq)
+        rows = pl.ds(mosaic.aligned(q_row), bq)
         pad = pl.ds(tile_id * bq, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar)
         plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
@@ -732,18 +650,24 @@ def backward_dq(
         def step(i, dq, masked: bool):
           slot = lax.rem(i, mcs)
           plgpu.barrier_wait(k_bar.at[slot])
-          s = _matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
+          s = mosaic.matmul(
+            q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv)
+          )
           p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
           if masked:
-            q_at = _iota((bq, bkv), 0) + q_pos
-            k_at = _iota((bq, bkv), 1) + (i * bkv - kv_lead)
-            p = _select(q_at >= k_at, p, 0.0)
+            q_at = mosaic.iota((bq, bkv), 0) + q_pos
+            k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
+            p = mosaic.select(q_at >= k_at, p, 0.0)
           plgpu.barrier_wait(v_bar.at[slot])
-          dp = _matmul(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
-          plgpu.barrier_arrive(v_free.at[slot])
+          dp = mosaic.matmul(
+            do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv)
+          )
+          mosaic.release(v_free.at[slot])
           ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-          dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], static)
-          plgpu.barrier_arrive(k_free.at[slot])
+          dq = mosaic.accumulate(
+            dq, ds.astype(dtype), k_smem.at[slot], static.interpret
+          )
+          mosaic.release(k_free.at[slot])
           return dq
 
         if causal:
@@ -763,7 +687,7 @@ def backward_dq(
         out_smem = out_smem2.at[wg]
         out_smem[...] = (dq * static.scale).astype(dtype)
         plgpu.commit_smem()
-        _ladder_store(
+        mosaic.ladder_store(
           out_smem,
           lambda r, size: dq_ref.at[pl.ds(q_row + r, size), head],
           lo,
@@ -790,12 +714,12 @@ def backward_dq(
         )
 
   scratch = [
-    _smem_tile((hpc, bq, h), dtype),
-    _smem_tile((hpc, bq, h), dtype),
+    mosaic.smem_tile((hpc, bq, h), dtype),
+    mosaic.smem_tile((hpc, bq, h), dtype),
     plgpu.SMEM((hpc, bq), jnp.float32),
     plgpu.SMEM((hpc, bq), jnp.float32),
-    _smem_tile((mcs, bkv, h), dtype),
-    _smem_tile((mcs, bkv, h), dtype),
+    mosaic.smem_tile((mcs, bkv, h), dtype),
+    mosaic.smem_tile((mcs, bkv, h), dtype),
     plgpu.SMEM((hpc, bq, h), dtype),
     plgpu.Barrier(num_arrivals=4, num_barriers=hpc),
     plgpu.Barrier(num_barriers=mcs),
@@ -867,7 +791,7 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
         plgpu.set_max_registers(232, action="increase")
         k_smem = k_smem2.at[wg]
         v_smem = v_smem2.at[wg]
-        base = _aligned(kv_row + wg * bkv)
+        base = mosaic.aligned(kv_row + wg * bkv)
         bar = kv_bar.at[wg]
         plgpu.copy_gmem_to_smem(
           k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
@@ -886,26 +810,34 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
           slot = lax.rem(j, mcs)
           _, tile = coords(j)
           plgpu.barrier_wait(q_bar.at[slot])
-          st = _matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          st = mosaic.matmul(
+            k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq)
+          )
           plgpu.barrier_wait(lse_bar.at[slot])
           lse_r = plgpu.load(
             lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
           )
           pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse_r, st.shape, [1]))
           if masked:
-            q_at = _iota((bkv, bq), 1) + (tile * bq - q_lead)
-            k_at = _iota((bkv, bq), 0) + my_pos
-            pt = _select(q_at >= k_at, pt, 0.0)
+            q_at = mosaic.iota((bkv, bq), 1) + (tile * bq - q_lead)
+            k_at = mosaic.iota((bkv, bq), 0) + my_pos
+            pt = mosaic.select(q_at >= k_at, pt, 0.0)
           plgpu.barrier_wait(do_bar.at[slot])
-          dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], static)
-          dpt = _matmul(v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq))
+          dv = mosaic.accumulate(
+            dv, pt.astype(dtype), do_smem.at[slot], static.interpret
+          )
+          dpt = mosaic.matmul(
+            v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
+          )
           plgpu.barrier_wait(delta_bar.at[slot])
           delta_r = plgpu.load(
             delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
           )
           dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
-          dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], static)
-          plgpu.barrier_arrive(free.at[slot])
+          dk = mosaic.accumulate(
+            dk, dst.astype(dtype), q_smem.at[slot], static.interpret
+          )
+          mosaic.release(free.at[slot])
           return dk, dv
 
         carry = (zeros, zeros)
@@ -938,7 +870,7 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
         for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
-          _ladder_store(
+          mosaic.ladder_store(
             src,
             lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
             my_lo,
@@ -953,7 +885,7 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
 
         def issue(j, slot):
           head, tile = coords(j)
-          rows = pl.ds(_aligned(q_row0 + tile * bq), bq)
+          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
           pad = pl.ds((tile_id0 + tile) * bq, bq)
           plgpu.copy_gmem_to_smem(
             q_ref.at[rows, head], q_smem.at[slot], q_bar.at[slot]
@@ -985,12 +917,12 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
           plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
 
   scratch = [
-    _smem_tile((wgs, bkv, h), dtype),
-    _smem_tile((wgs, bkv, h), dtype),
+    mosaic.smem_tile((wgs, bkv, h), dtype),
+    mosaic.smem_tile((wgs, bkv, h), dtype),
     plgpu.SMEM((wgs, bkv, h), dtype),
     plgpu.SMEM((wgs, bkv, h), dtype),
-    _smem_tile((mcs, bq, h), dtype),
-    _smem_tile((mcs, bq, h), dtype),
+    mosaic.smem_tile((mcs, bq, h), dtype),
+    mosaic.smem_tile((mcs, bq, h), dtype),
     plgpu.SMEM((mcs, bq), jnp.float32),
     plgpu.SMEM((mcs, bq), jnp.float32),
     plgpu.Barrier(num_arrivals=2, num_barriers=wgs),

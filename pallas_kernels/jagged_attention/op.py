@@ -12,7 +12,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mosaic
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
@@ -31,20 +31,11 @@ def _delta_tile_padded(o_tnh, do_tnh, q_offsets, block_q, num_items):
   return jnp.where(ok[:, None], delta_tn[rows], 0.0).T  # [n, i * 64]
 
 
-def _pad_rows(x, multiple=mg.ALIGN):
-  """Mosaic's tiled TMA wants the packed row count a multiple of 8; buffers
-  whose capacity is one (the usual case) pass through without a copy."""
-  extra = -x.shape[0] % multiple
-  if not extra:
-    return x
-  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
-
-
 def _fwd(static, q, k, v, q_off, kv_off):
   bs = static.block_sizes
   res_qkv = (q, k, v)
   t = q.shape[0]
-  q, k, v = _pad_rows(q), _pad_rows(k), _pad_rows(v)
+  q, k, v = mosaic.pad_rows(q), mosaic.pad_rows(k), mosaic.pad_rows(v)
   items, sched = mg.query_items(
     q_off,
     kv_off,
@@ -68,7 +59,12 @@ def _bwd(static, res, do):
   q, k, v, o, lse, q_off, kv_off, tile_start_b = res
   bs = static.block_sizes
   t_in, s_in = q.shape[0], k.shape[0]
-  q, k, v, do = _pad_rows(q), _pad_rows(k), _pad_rows(v), _pad_rows(do)
+  q, k, v, do = (
+    mosaic.pad_rows(q),
+    mosaic.pad_rows(k),
+    mosaic.pad_rows(v),
+    mosaic.pad_rows(do),
+  )
   t, s = q.shape[0], k.shape[0]
   num_items = lse.shape[1] // bs.block_q
   delta = _delta_tile_padded(o, do, q_off, bs.block_q, num_items)

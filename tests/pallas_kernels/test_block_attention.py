@@ -9,15 +9,9 @@ them compiled at real shapes on the H200.
 """
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-# The GPU interpreter's race-detection state (no public alias yet).
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-  get_races,
-)
 
 from pallas_kernels import dispatch
 from pallas_kernels.block_attention import (
@@ -31,30 +25,15 @@ from pallas_kernels.block_attention.op import (
   block_attention_mosaic,
 )
 from pallas_kernels.block_attention.reference import positions, rope_reference
+from tests.pallas_kernels import attention_cases as cases
 
-# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
-# the f32 reference (one rounding of inputs and outputs, times a small
-# factor; RoPE'd Q and K are rounded once more, as XLA's RoPE does).
-REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
 SMALL = mg.BlockSizes(num_sms=2)
 
 
-def _offsets(lengths):
-  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _rel_err(got, want):
-  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
 def _check_case(lens, *, n, kh, h, dtype, tail, seed, grads=True, **kw):
-  off = _offsets(lens)
+  off = cases.offsets(lens)
   t = int(off[-1]) + tail
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (t, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (t, kh, h), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
+  q, k, v, do = cases.inputs(seed, t, t, n, kh, h, dtype)
   kw["max_len"] = max(int(np.diff(off).max()), 1)
   block_sizes = kw.pop("block_sizes", None)
 
@@ -77,8 +56,8 @@ def _check_case(lens, *, n, kh, h, dtype, tail, seed, grads=True, **kw):
       want = [np.asarray(ref(*f32[:3]))]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
     assert np.isfinite(g).all(), name
-    err = _rel_err(g, w)
-    assert err < REL_TOL[dtype], (name, err)
+    err = cases.rel_err(g, w)
+    assert err < cases.REL_TOL[dtype], (name, err)
   # The buffer tail is exactly zero in the output and every gradient.
   for x in got:
     assert not x[int(off[-1]) :].any()
@@ -146,28 +125,34 @@ def test_no_races_interpret(n):
   # The interpreter's race detector over the forward (two consumer
   # warpgroups with n=2, one with n=1) and the backward: raw tiles, the
   # RoPE table and the query rings are all refilled only after release.
-  off = _offsets([70, 0, 1, 9])
+  off = cases.offsets([70, 0, 1, 9])
   t = int(off[-1]) + 5
   ks = jax.random.split(jax.random.key(5), 4)
   q = jax.random.normal(ks[0], (t, n, 128), jnp.bfloat16)
   k = jax.random.normal(ks[1], (t, 1, 128), jnp.bfloat16)
   v = jax.random.normal(ks[2], (t, 1, 128), jnp.bfloat16)
   do = jax.random.normal(ks[3], (t, n, 128), jnp.bfloat16)
-  params = plgpu.InterpretGPUParams(detect_races=True)
 
-  def f(q, k, v):
-    return block_attention_mosaic(
-      q, k, v, off, rope=1e4, max_len=128, block_sizes=SMALL, interpret=params
+  def fwd_bwd(q, k, v):
+    f = lambda q, k, v: block_attention_mosaic(
+      q,
+      k,
+      v,
+      off,
+      rope=1e4,
+      max_len=128,
+      block_sizes=SMALL,
+      interpret=cases.RACE_PARAMS,
     )
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, vjp(do)
 
-  o, vjp = jax.vjp(f, q, k, v)
-  jax.block_until_ready(vjp(do))
-  assert not get_races().races_found
+  cases.assert_no_races(fwd_bwd, q, k, v)
 
 
 def test_work_items_cover_every_row_once():
   lens = [70, 0, 1, 130, 9, 64]
-  off = _offsets(lens)
+  off = cases.offsets(lens)
   t = int(off[-1]) + 11
   table, num_real = mg.work_items(off, t)
   table = np.asarray(table)[: int(num_real)]
@@ -198,7 +183,7 @@ def test_rope_table_matches_reference():
 def test_sliding_window_reference_matches_dense():
   # Sliding window from dense masked attention, on the jagged layout.
   lens = [70, 0, 1, 20]
-  off = _offsets(lens)
+  off = cases.offsets(lens)
   t = int(off[-1]) + 2
   ks = jax.random.split(jax.random.key(4), 3)
   q = jax.random.normal(ks[0], (t, 2, 16))
@@ -244,6 +229,7 @@ def test_dispatch():
   "h,block,rope,causal,dtype",
   [
     (128, 64, 10_000.0, False, jnp.bfloat16),
+    (128, 64, None, False, jnp.bfloat16),
     (128, 32, 10_000.0, True, jnp.bfloat16),
     (64, 64, None, False, jnp.float16),
     (64, 64, 10_000.0, True, jnp.bfloat16),

@@ -10,50 +10,23 @@ compiled at real shapes on the H200.
 """
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-# The GPU interpreter's race-detection state (no public alias yet).
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-  get_races,
-)
 
 from pallas_kernels import dispatch
 from pallas_kernels.gdpa import gdpa, gdpa_reference
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.op import IMPLEMENTATIONS, gdpa_mosaic
 from pallas_kernels.gdpa.reference import apply_activation
-
-# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
-# the f32 reference: one rounding of inputs and outputs (2^-8 for bf16)
-# times a small factor; the kernels accumulate in f32.
-REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
-
-
-def _offsets(lengths):
-  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _inputs(seed, t, s, n, kh, h, dtype):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (s, kh, h), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
-  return q, k, v, do
-
-
-def _rel_err(got, want):
-  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+from tests.pallas_kernels import attention_cases as cases
 
 
 def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
-  q_off, kv_off = _offsets(q_lens), _offsets(kv_lens)
+  q_off, kv_off = cases.offsets(q_lens), cases.offsets(kv_lens)
   t = int(q_off[-1]) + tail
   s = int(kv_off[-1]) + tail
-  q, k, v, do = _inputs(seed, t, s, n, kh, h, dtype)
+  q, k, v, do = cases.inputs(seed, t, s, n, kh, h, dtype)
   bounds = dict(
     max_len_q=max(int(np.diff(q_off).max()), 1),
     max_len_kv=max(int(np.diff(kv_off).max()), 1),
@@ -77,8 +50,8 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
     want = [np.asarray(x) for x in (o_r, *vjp_r(f32[3]))]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     assert np.isfinite(g).all(), name
-    err = _rel_err(g, w)
-    assert err < REL_TOL[dtype], (name, err)
+    err = cases.rel_err(g, w)
+    assert err < cases.REL_TOL[dtype], (name, err)
   # Rows the reference defines as zero are exactly zero: the buffer tail,
   # queries of sequences without keys, keys of sequences without queries.
   o, dq, dk, dv = got
@@ -157,20 +130,19 @@ def test_no_races_interpret():
   # The interpreter's race detector over the forward, dQ and dK/dV kernels:
   # every shared-memory buffer handed back to the producer (K/V and Q
   # rings, resident keys reused across tiles) is ordered before its refill.
-  q_off, kv_off = _offsets([70, 0, 1, 9]), _offsets([3, 5, 0, 130])
-  q, k, v, do = _inputs(4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64,
-                        jnp.bfloat16)  # fmt: skip
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  o, vjp = jax.vjp(
-    lambda q, k, v: gdpa_mosaic(
-      q, k, v, q_off, kv_off, block_sizes=SMALL, interpret=params
-    ),
-    q,
-    k,
-    v,
+  q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
+  q, k, v, do = cases.inputs(
+    4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
-  jax.block_until_ready(vjp(do))
-  assert not get_races().races_found
+
+  def fwd_bwd(q, k, v):
+    f = lambda q, k, v: gdpa_mosaic(
+      q, k, v, q_off, kv_off, block_sizes=SMALL, interpret=cases.RACE_PARAMS
+    )
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, vjp(do)
+
+  cases.assert_no_races(fwd_bwd, q, k, v)
 
 
 def test_tanh_polynomial_error_on_its_range():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch, jagged_attention, schedule
+from pallas_kernels import dispatch, jagged_attention, mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import (
   IMPLEMENTATIONS,
@@ -23,24 +23,7 @@ from pallas_kernels.jagged_attention.op import (
 from pallas_kernels.jagged_attention.reference import (
   jagged_attention_reference,
 )
-
-# Relative Frobenius error bound of bf16/fp16 outputs and gradients against
-# the f32 reference: one rounding of the inputs and outputs (2^-8 for bf16)
-# times a small factor; f32 accumulation keeps the sum itself exact enough.
-REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
-
-
-def _offsets(lengths):
-  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-def _inputs(seed, t, s, n, kh, h, dtype):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (s, kh, h), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
-  return q, k, v, do
+from tests.pallas_kernels import attention_cases as cases
 
 
 def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal):
@@ -63,16 +46,12 @@ def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal):
   return [np.asarray(x, np.float32) for x in (o, *vjp(do))]
 
 
-def _rel_err(got, want):
-  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
 def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed):
-  q_off = _offsets(q_lens)
-  kv_off = q_off if kv_lens is None else _offsets(kv_lens)
+  q_off = cases.offsets(q_lens)
+  kv_off = q_off if kv_lens is None else cases.offsets(kv_lens)
   t = int(q_off[-1]) + tail
   s = int(kv_off[-1]) + tail
-  q, k, v, do = _inputs(seed, t, s, n, kh, h, dtype)
+  q, k, v, do = cases.inputs(seed, t, s, n, kh, h, dtype)
   got = _fwd_bwd(jagged_attention_mosaic, q, k, v, do, q_off, kv_off, causal)
   with jax.default_matmul_precision("highest"):  # no TF32 in the oracle
     want = _fwd_bwd(
@@ -84,8 +63,8 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed):
     )
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     assert np.isfinite(g).all(), name
-    err = _rel_err(g, w)
-    assert err < REL_TOL[dtype], (name, err)
+    err = cases.rel_err(g, w)
+    assert err < cases.REL_TOL[dtype], (name, err)
   # Rows the reference defines as zero are exactly zero (not just small):
   # the buffer tail, rows of sequences without keys, keys without queries.
   o, dq, dk, dv = got
@@ -151,6 +130,25 @@ def _surplus_identity(s_x, z):
   return e[: len(s_x)] / l_true
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_races_interpret(causal):
+  # The interpreter's race detector over the forward, dQ and dK/dV kernels:
+  # every ring slot (K/V in the forward and dQ, Q/dO/lse/delta in dK/dV) is
+  # handed back to the producer only after a proxy fence.
+  q_off = cases.offsets(SELF_LENS)
+  t = int(q_off[-1]) + 5
+  q, k, v, do = cases.inputs(4, t, t, 2, 1, 64, jnp.bfloat16)
+
+  def fwd_bwd(q, k, v):
+    f = lambda q, k, v: jagged_attention_mosaic(
+      q, k, v, q_off, causal=causal, interpret=cases.RACE_PARAMS
+    )
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, vjp(do)
+
+  cases.assert_no_races(fwd_bwd, q, k, v)
+
+
 def test_surplus_subtraction_identity():
   # Exact softmax of the real scores vs zero-fill + subtraction, with the true
   # max far above the fill (surplus ~ 2^-60, no effect), just above it, and
@@ -169,10 +167,10 @@ def test_surplus_subtraction_kernel_interpret():
   # above 0 (the stabilized max removes the fill's weight) or all below 0
   # (the fill's 0 is the running max, the subtraction must be exact).
   lens = [45, 3, 20]  # the last key tiles are mostly fill, some lead rows
-  off = _offsets(lens)
+  off = cases.offsets(lens)
   t = int(off[-1])
   h = 64
-  q0, k0, v, _ = _inputs(7, t, t, 2, 1, h, jnp.float32)
+  q0, k0, v, _ = cases.inputs(7, t, t, 2, 1, h, jnp.float32)
   direction = jnp.ones((h,), jnp.float32) / np.sqrt(h)
   k = 0.1 * k0 + direction  # every key points along `direction`
   for shift in (40.0, -4.0):  # real scores ~ shift, in log2 units
@@ -184,15 +182,15 @@ def test_surplus_subtraction_kernel_interpret():
     )
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()
-    assert _rel_err(got, want) < REL_TOL[jnp.bfloat16], shift
+    assert cases.rel_err(got, want) < cases.REL_TOL[jnp.bfloat16], shift
 
 
 def test_vmap_interpret():
   # The model may vmap the op over a leading data-shard axis.
   lens = np.array([[9, 0, 5], [1, 7, 4]])
-  off = np.stack([_offsets(x) for x in lens])
+  off = np.stack([cases.offsets(x) for x in lens])
   t = 16
-  q, k, v, _ = _inputs(5, 2 * t, 2 * t, 2, 1, 64, jnp.bfloat16)
+  q, k, v, _ = cases.inputs(5, 2 * t, 2 * t, 2, 1, 64, jnp.bfloat16)
   q, k, v = (x.reshape(2, t, *x.shape[1:]) for x in (q, k, v))
   got = jax.vmap(lambda *a: jagged_attention_mosaic(*a, causal=True))(
     q, k, v, off
@@ -201,24 +199,24 @@ def test_vmap_interpret():
     want = jagged_attention_reference(
       *(x[i].astype(jnp.float32) for x in (q, k, v)), off[i], causal=True
     )
-    err = _rel_err(np.asarray(got[i], np.float32), np.asarray(want))
-    assert err < REL_TOL[jnp.bfloat16]
+    err = cases.rel_err(np.asarray(got[i], np.float32), np.asarray(want))
+    assert err < cases.REL_TOL[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_schedule_covers_every_row_once(causal):
   lens = [70, 0, 1, 130, 9, 2048, 5]
   kv_lens = [3, 140, 0, 64, 9, 2048, 8]
-  q_off, kv_off = _offsets(lens), _offsets(kv_lens)
+  q_off, kv_off = cases.offsets(lens), cases.offsets(kv_lens)
   t, s = int(q_off[-1]) + 11, int(kv_off[-1]) + 4
   table, sched = mg.query_items(
     q_off, kv_off, t, block_q=64, block_kv=128, causal=causal
   )
   table = np.asarray(table)
-  assert table.shape[0] == schedule.max_items(t, len(lens), 64, mg.ALIGN)
+  assert table.shape[0] == schedule.max_items(t, len(lens), 64, mosaic.ALIGN)
   covered = np.zeros(t, int)
   for q_row, lo, hi in table[:, :3]:
-    assert q_row % mg.ALIGN == 0
+    assert q_row % mosaic.ALIGN == 0
     covered[q_row + lo : q_row + hi] += 1
   np.testing.assert_array_equal(covered, 1)  # every row, once, tail too
   cost = table[:, 7]

@@ -1,0 +1,126 @@
+"""Hopper (Mosaic GPU) building blocks shared by the attention kernels.
+
+The jagged flash attention (G1), GDPA (G2) and block attention (G3) kernels
+are written from the same pieces: wgmma into a live or fresh accumulator,
+`where` with explicit broadcasts (Mosaic's warpgroup lowering does not
+broadcast), row iotas in the wgmma layout, tiled + swizzled shared-memory
+tiles, TMA stores of a dynamic row count, and the 8-row alignment of packed
+buffers that tiled TMA needs. One definition of each lives here; the kernels
+import them rather than copying.
+"""
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+ALIGN = 8  # packed tiles start on multiples of 8 rows (tiled TMA)
+
+
+def cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def pad_rows(x, multiple=ALIGN):
+  """Mosaic's tiled TMA wants the packed row count a multiple of 8; buffers
+  whose capacity is one (the usual case) pass through without a copy."""
+  extra = -x.shape[0] % multiple
+  if not extra:
+    return x
+  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
+def accumulate(acc, a, b, interpret, then=None):
+  """`acc + a @ b` with wgmma into the live accumulator; `then()` runs while
+  the wgmma is in flight. `interpret`: None when compiling, else the GPU
+  interpreter params (its wgmma takes register operands badly)."""
+  if interpret is None:
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+      if then is not None:
+        then()
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+  # The GPU interpreter takes register (non-ref) wgmma operands badly.
+  out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+  if then is not None:
+    then()
+  return out
+
+
+def matmul(a, b, shape):
+  """`a @ b` into a fresh f32 accumulator (waits for the result)."""
+
+  def scoped(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+
+
+def select(cond, x, y):
+  """`jnp.where` with scalars spelled out as full arrays (Mosaic's warpgroup
+  lowering does not broadcast implicitly)."""
+  shape = next(jnp.shape(a) for a in (cond, x, y) if jnp.ndim(a))
+
+  def full(a, dtype):
+    return a if jnp.ndim(a) else jnp.full(shape, a, dtype)
+
+  dtype = next(a.dtype for a in (x, y) if jnp.ndim(a))
+  return jnp.where(full(cond, jnp.bool_), full(x, dtype), full(y, dtype))
+
+
+def release(barrier):
+  """Hand a shared-memory buffer back to its producer warpgroup.
+
+  A proxy fence first, so the consumer's reads (generic `plgpu.load`s and
+  wgmma operands alike) are ordered before the producer's next TMA write
+  into the buffer, then the arrival. The interpreter's race detector
+  (`InterpretGPUParams(detect_races=True)`) asks for it.
+  """
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(barrier)
+
+
+def aligned(row):
+  """Tell Mosaic a packed row index is a multiple of 8 (tiled TMA)."""
+  return pl.multiple_of(row, ALIGN)
+
+
+def iota(shape, dim):
+  return plgpu.broadcasted_iota(
+    jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA
+  )
+
+
+def row_iota(n):
+  """`[0..n)` laid out like the rows of a wgmma accumulator."""
+  return iota((n, 64), 0).max(axis=1)
+
+
+def ladder_store(src_smem, dst_rows, start, count, max_rows: int):
+  """Store rows `[start, start + count)` (dynamic) of `src_smem` with TMA.
+
+  TMA box sizes are static, so the rows go out as one store per set bit of
+  `count` (64, 32, ..., 1): `dst_rows(offset, size)` is the destination
+  window of `size` rows for source rows `[offset, offset + size)`.
+  """
+  size = 1 << (max_rows.bit_length() - 1)
+  while size >= 1:
+
+    @pl.when((count & size) != 0)
+    def _(start=start, size=size):
+      plgpu.copy_smem_to_gmem(
+        src_smem.at[pl.ds(start, size)], dst_rows(start, size)
+      )
+
+    start = start + (count & size)
+    size //= 2
+
+
+TILING = plgpu.TilingTransform((8, 64))
+SWIZZLE = plgpu.SwizzleTransform(128)
+
+
+def smem_tile(shape, dtype):
+  return plgpu.SMEM(shape, dtype, transforms=(TILING, SWIZZLE))

@@ -1,0 +1,42 @@
+"""Benchmark results: partial runs keep what they did not re-measure, dry
+runs never touch results/, and the report judges ratios against goals."""
+
+import json
+
+from benchmarks import common, report
+
+
+def _rec(case, value, goal=None, lower=False):
+  r = common.record("b", case, "ours", "ms", value, goal=goal,
+                    lower_is_better=lower)  # fmt: skip
+  return r
+
+
+def test_partial_run_replaces_only_its_records(tmp_path, monkeypatch):
+  monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+  common.write_results("b", [_rec("D128", 1.0), _rec("D64", 2.0)])
+  common.write_results("b", [_rec("D64", 3.0)], tmp_path / "out")
+  saved = json.loads((tmp_path / "results" / "b.json").read_text())
+  assert [(r["case"], r["value"]) for r in saved] == [
+    ("D128", 1.0),
+    ("D64", 3.0),
+  ]
+  assert json.loads((tmp_path / "out" / "b.json").read_text()) == saved
+
+
+def test_dry_run_writes_only_out_dir(tmp_path, monkeypatch):
+  monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+  path = common.write_results("b", [_rec("x", 1.0)], tmp_path / "out",
+                              dry_run=True)  # fmt: skip
+  assert path == tmp_path / "out" / "b.json"
+  assert not (tmp_path / "results").exists()
+  assert common.write_results("b", [_rec("x", 1.0)], dry_run=True) is None
+
+
+def test_goal_is_judged_on_ratio():
+  assert common.record("b", "c", "i", "m", 9.0)["ratio"] == 9.0
+  assert report.met(_rec("c", 1.4, goal=1.3)) == "yes"
+  assert report.met(_rec("c", 1.2, goal=1.3)) == "**no**"
+  assert report.met(_rec("c", 0.02, goal=0.03, lower=True)) == "yes"
+  assert report.met(_rec("c", 0.04, goal=0.03, lower=True)) == "**no**"
+  assert report.met(_rec("c", 1.0)) == ""

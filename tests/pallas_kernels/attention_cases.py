@@ -1,0 +1,55 @@
+"""What the attention-kernel tests share: one tolerance table, packed
+offsets from lengths, fresh random inputs, the relative error, and the
+race check.
+
+Relative Frobenius error bound of bf16/fp16 outputs and gradients against
+the f32 reference: one rounding of the inputs and outputs (2^-8 for bf16)
+times a small factor; the kernels accumulate in f32, which keeps the sums
+themselves exact enough.
+"""
+
+import contextlib
+import io
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+RACE_PARAMS = plgpu.InterpretGPUParams(detect_races=True)
+
+REL_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 4e-3}
+
+
+def offsets(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def inputs(seed, t, s, n, kh, h, dtype):
+  """Fresh random q `[t, n, h]`, k and v `[s, kh, h]`, do `[t, n, h]`."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (s, kh, h), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (t, n, h), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def assert_no_races(fn, *args):
+  """Run `fn(*args)` (kernels built with `interpret=RACE_PARAMS`) and fail
+  on any race the GPU interpreter's detector reports.
+
+  The detector's state is rebuilt for every kernel launch, so a flag read
+  at the end would only cover the last kernel (the dK/dV one of a vjp);
+  every detection is printed, though, so the printed log covers them all.
+  """
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log):
+    jax.block_until_ready(fn(*args))
+  races = log.getvalue().count("RACE DETECTED")
+  assert races == 0, f"{races} races:\n{log.getvalue()[:4000]}"

@@ -1,0 +1,130 @@
+"""Every Mosaic GPU kernel lowers for CUDA at the shapes we benchmark.
+
+The interpret-mode tests check what the kernels compute, but not that
+Pallas can lower them to Mosaic GPU: layouts, TMA transforms, wgmma operand
+shapes and shared-memory budgets are only checked by the real lowering. JAX
+can lower for a platform it is not running on (`jax.export` with
+`platforms=["cuda"]`), so CI on CPU catches a kernel that would not build on
+the H200, forward and backward, without a GPU. Only abstract shapes are
+used: nothing is allocated. What is left to the GPU is PTX generation and
+running the kernel (the `-m gpu` tests).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from pallas_kernels.block_attention.op import block_attention_mosaic
+from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.gdpa.op import gdpa_mosaic
+from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
+from pallas_kernels.rms_norm.op import rms_norm_mosaic
+
+B, L, N, KH = 32, 2048, 8, 2  # the benchmarks' batch: 32 x 2,048, 8/2 heads
+BF16 = jnp.bfloat16
+
+
+def _spec(shape, dtype=BF16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+OFFSETS = _spec((B + 1,), jnp.int32)
+
+
+def _lowers_for_cuda(fn, *args):
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(*args)
+  text = exported.mlir_module()
+  assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered module"
+
+
+def _with_grads(f):
+  """`f`'s output and the gradients of its three attention operands."""
+
+  def fwd_bwd(q, k, v, *rest):
+    loss = lambda q, k, v: f(q, k, v, *rest).astype(jnp.float32).sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  return fwd_bwd
+
+
+@pytest.mark.parametrize("h", [128, 64])
+@pytest.mark.parametrize("case", ["self", "causal", "cross"])
+def test_jagged_attention(case, h):
+  q = _spec((B * L, N, h))
+  kv_rows = B * 256 if case == "cross" else B * L
+  k = _spec((kv_rows, KH, h))
+  f = lambda q, k, v, qo, ko: jagged_attention_mosaic(
+    q, k, v, qo, ko, causal=case == "causal", interpret=False
+  )
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS)
+
+
+@pytest.mark.parametrize(
+  "shape", ["cross16", "cross256", "pooled", "self_gelu", "self_silu_norm"]
+)
+def test_gdpa(shape):
+  h = 128
+  kw = dict(activation="gelu_tanh")
+  if shape.startswith("cross"):
+    q_rows, kv_rows = B * L, B * int(shape[5:])
+  elif shape == "pooled":
+    q_rows, kv_rows = B * 16, B * L
+  else:
+    q_rows = kv_rows = 4096
+    kw = dict(activation="gelu")
+    if shape == "self_silu_norm":
+      kw = dict(activation="silu", normalize="hstu")
+  q, k = _spec((q_rows, N, h)), _spec((kv_rows, KH, h))
+  f = lambda q, k, v, qo, ko: gdpa_mosaic(
+    q, k, v, qo, ko, interpret=False, **kw
+  )
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS)
+
+
+@pytest.mark.parametrize("h", [128, 64])
+@pytest.mark.parametrize("block,rope", [(64, 1e4), (64, None), (32, 1e4)])
+def test_block_attention(block, rope, h):
+  q, k = _spec((B * L, N, h)), _spec((B * L, KH, h))
+  f = lambda q, k, v, o: block_attention_mosaic(
+    q, k, v, o, block=block, rope=rope, max_len=L, interpret=False
+  )
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS)
+
+
+@pytest.mark.parametrize("d", [512, 2048])
+def test_rms_norm_with_residual(d):
+  x, g = _spec((B * L, d)), _spec((d,))
+
+  def fwd_bwd(x, g, r):
+    def loss(x, g, r):
+      y, r2 = rms_norm_mosaic(x, g, r, interpret=False)
+      return (y.astype(jnp.float32) ** 2).sum() + r2.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))(x, g, r)
+
+  _lowers_for_cuda(fwd_bwd, x, g, x)
+
+
+@pytest.mark.parametrize("block,hadamard", [((32, 32), 32), ((1, 128), None)])
+def test_fp8_quantize(block, hadamard):
+  f = lambda x: quantize_mgpu.quantize_mgpu(
+    x, block=block, hadamard=hadamard, interpret=False
+  )
+  _lowers_for_cuda(f, _spec((16384, 4096)))
+
+
+@pytest.mark.parametrize("kb", [32, 128])
+def test_fp8_matmul(kb):
+  m, n, k = 16384, 4096, 4096
+  f8 = jnp.float8_e4m3fn
+  f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
+    a, sa, b, sb, kb=kb, interpret=False
+  )
+  _lowers_for_cuda(
+    f,
+    _spec((m, k), f8),
+    _spec((k // kb, m), jnp.float32),
+    _spec((n, k), f8),
+    _spec((k // kb, n), jnp.float32),
+  )
