@@ -99,6 +99,47 @@ def copy_bandwidth(nbytes: int = 1 << 30, **timing) -> float:
   return max(bws.values())
 
 
+def trace_summary(log_dir, steps: int, top: int = 12, device="/device:GPU"):
+  """Device time per step from a `jax.profiler.trace(log_dir,
+  create_perfetto_trace=True)` of `steps` steps: for every device process
+  (name containing `device`) and each of its threads (streams / XLA ops),
+  the busy time split into collectives (NCCL kernels, collective HLOs) and
+  everything else, and the `top` events by total time. Times in ms/step.
+  """
+  import glob
+  import gzip
+
+  path = sorted(
+    glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+  )
+  if not path:
+    return {}
+  with gzip.open(path[-1]) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      names[e["pid"]] = e["args"]["name"]
+    if e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[e["pid"], e["tid"]] = e["args"]["name"]
+  comm = ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+  out = {}
+  for e in events:
+    pid = e.get("pid")
+    if e.get("ph") != "X" or device not in names.get(pid, ""):
+      continue
+    key = f"{names[pid]} | {threads.get((pid, e.get('tid')), e.get('tid'))}"
+    t = out.setdefault(key, {"collective_ms": 0.0, "other_ms": 0.0, "by": {}})
+    ms = e.get("dur", 0.0) / 1e3 / steps
+    kind = any(c in e["name"].lower() for c in comm)
+    t["collective_ms" if kind else "other_ms"] += ms
+    t["by"][e["name"]] = t["by"].get(e["name"], 0.0) + ms
+  for t in out.values():
+    t["top"] = sorted(t.pop("by").items(), key=lambda kv: -kv[1])[:top]
+  return out
+
+
 # Attention benchmarks: jagged inputs and their padded baselines.
 
 

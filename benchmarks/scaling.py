@@ -30,7 +30,14 @@ start):
   priority stream (`--xla_gpu_enable_pipelined_*`,
   `--xla_gpu_enable_highest_priority_async_stream`);
 - `memcpy_p2p`: `--xla_gpu_use_memcpy_local_p2p`, local (NVLink) transfers
-  by the copy engines instead of NCCL kernels on SMs.
+  by the copy engines instead of NCCL kernels on SMs;
+- `ddp`: strategy `replicated` (every weight and table on both GPUs, one
+  gradient all-reduce): no FSDP gathers and no id exchange, so the gap to
+  `default` is what FSDP and the sharded lookup cost on 2 GPUs.
+`--variants` picks which run after `default` (all, in this order, if the
+time budget allows). `--profile` also traces 3 steps of every 2-GPU run and
+prints device ms/step per stream, collectives apart from the rest, with the
+costliest kernels (`common.trace_summary`): where a step's time goes.
 A variant that would not fit the time budget is skipped and listed. If the
 default run fails (e.g. a Pallas kernel does not compile), it is retried
 with XLA attention on 4-request shards (the dense reference attention would
@@ -56,12 +63,22 @@ VARIANTS = {
     "--xla_gpu_enable_highest_priority_async_stream=true"
   },
   "memcpy_p2p": {"XLA_FLAGS": "--xla_gpu_use_memcpy_local_p2p=true"},
+  "ddp": {},  # strategy "replicated" (STRATEGIES)
 }
+STRATEGIES = {"ddp": "replicated"}  # default: fsdp
 GOAL = 0.9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def worker(devices, steps, rounds, attention, config="onetrans_v31"):
+def worker(
+  devices,
+  steps,
+  rounds,
+  attention,
+  config="onetrans_v31",
+  strategy="fsdp",
+  profile=False,
+):
   import dataclasses
 
   import jax
@@ -97,7 +114,7 @@ def worker(devices, steps, rounds, attention, config="onetrans_v31"):
   log(f"jax {jax.__version__}, {jax.device_count()} devices")
   out = []
   for n in devices:
-    cfg = dataclasses.replace(base, mesh=MeshConfig(1, 1, n, "fsdp"))
+    cfg = dataclasses.replace(base, mesh=MeshConfig(1, 1, n, strategy))
     tr = Trainer.create(cfg, "/tmp/scaling-run", devices=jax.devices()[:n])
     it = loader.Loader(
       cfg.data, num_shards=n, split="train", process_index=0, process_count=1
@@ -122,6 +139,22 @@ def worker(devices, steps, rounds, attention, config="onetrans_v31"):
       losses.append(float(m["loss"]))
       times.append((time.perf_counter() - t0) / steps)
     assert all(np.isfinite(losses)), losses
+    trace = None
+    if profile and n > 1:  # where the 2-GPU step's time goes
+      from benchmarks import common
+
+      log_dir = f"/tmp/scaling-trace-{n}"
+      with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for i in range(3):
+          state, m = step(state, staged[i % 3])
+        jax.block_until_ready(m["loss"])
+      trace = common.trace_summary(log_dir, steps=3)
+      for k, v in trace.items():
+        log(
+          f"{k}: collectives {v['collective_ms']:.2f} ms, other"
+          f" {v['other_ms']:.2f} ms per step; top "
+          + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms in v["top"][:6])
+        )
     out.append(
       {
         "devices": n,
@@ -134,6 +167,7 @@ def worker(devices, steps, rounds, attention, config="onetrans_v31"):
         "tokens_per_step": int(sum(b.offsets[:, -1].sum() for b in host) / 3),
         "loss": losses[-1],
         "attention": attention or "default",
+        "trace": trace,
       }
     )
     print(
@@ -164,7 +198,9 @@ def _run(variant, devices, args, timeout):
     args.attention,
     "--config",
     args.config,
-  ]
+    "--strategy",
+    STRATEGIES.get(variant, "fsdp"),
+  ] + (["--profile"] if args.profile else [])
   print(
     f"{variant}: {' '.join(f'{k}={v}' for k, v in VARIANTS[variant].items())}",
     file=sys.stderr,
@@ -187,6 +223,12 @@ def _run(variant, devices, args, timeout):
   return json.loads(line[0][len("RESULT ") :]), None
 
 
+def jax_platform() -> str:
+  import jax
+
+  return jax.default_backend()
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--worker", action="store_true")
@@ -197,6 +239,17 @@ def main():
   p.add_argument("--config", default="onetrans_v31", help="smoke: CPU check")
   p.add_argument("--budget-s", type=float, default=480.0)
   p.add_argument("--out", default=None)
+  p.add_argument("--strategy", default="fsdp", help="worker: mesh strategy")
+  p.add_argument(
+    "--profile",
+    action="store_true",
+    help="also trace 3 steps of every 2-GPU run: device ms/step by kernel",
+  )
+  p.add_argument(
+    "--variants",
+    default="ddp,overlap,nccl_1ch,memcpy_p2p",
+    help="run after default, in order, while the budget allows",
+  )
   args = p.parse_args()
   if args.worker:
     worker(
@@ -205,6 +258,8 @@ def main():
       args.rounds,
       args.attention,
       args.config,
+      args.strategy,
+      args.profile,
     )
     return
   sys.path.insert(0, ROOT)
@@ -224,9 +279,12 @@ def main():
     notes["default"] = err
   else:
     raw["default"] = res
-  costs = {"nccl_1ch": 25, "overlap": 70, "memcpy_p2p": 70}  # s, estimated
-  for v in ("nccl_1ch", "overlap", "memcpy_p2p"):
-    if res is None or left() < costs[v]:
+  # s, estimated: a 2-GPU compile took ~115 s on the H200s
+  cost = 140
+  for v in args.variants.split(","):
+    if v not in VARIANTS or v == "default":
+      raise SystemExit(f"unknown variant {v!r}: one of {list(VARIANTS)[1:]}")
+    if res is None or left() < cost:
       notes[v] = "skipped: not enough of the time budget left"
       continue
     r, err = _run(v, [2], args, left())
@@ -276,7 +334,9 @@ def main():
       )
   for r in records:
     r["command"] = "python3 benchmarks/scaling.py"
-  common.write_results("scaling", records, args.out)
+  # A CPU check (`--config smoke`) never touches benchmarks/results.
+  smoke = jax_platform() == "cpu"
+  common.write_results("scaling", records, args.out, dry_run=smoke)
   if args.out:
     with open(os.path.join(args.out, "scaling_raw.json"), "w") as f:
       json.dump({"runs": raw, "notes": notes}, f, indent=1)

@@ -36,6 +36,7 @@ high-precision weight.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -52,6 +53,9 @@ class QuantizedGather:
 
   mesh: Mesh
   strategy: str = "fsdp"
+  # Inside `Placement.per_shard` (every mesh axis manual): `w` is already the
+  # local shard, and the gathers run as plain collectives.
+  manual: bool = False
 
   def spec(self, logical_axes, shape) -> PartitionSpec:
     return rules.logical_to_spec(logical_axes, shape, self.mesh, self.strategy)
@@ -64,9 +68,12 @@ class QuantizedGather:
     spec = spec + (None,) * (w.ndim - len(spec))
     if all(s is None for s in spec):
       return None  # replicated: nothing to gather
-    local = tuple(
-      n // self._size(s) for n, s in zip(w.shape, spec, strict=True)
-    )
+    if self.manual:
+      local = tuple(w.shape)
+      full = tuple(n * self._size(s) for n, s in zip(local, spec, strict=True))
+    else:
+      full = tuple(w.shape)
+      local = tuple(n // self._size(s) for n, s in zip(full, spec, strict=True))
     meta = jax.eval_shape(quantize, jax.ShapeDtypeStruct(local, w.dtype))
     axis, (br, bc) = meta.axis, meta.block
     other = 1 - axis
@@ -91,15 +98,20 @@ class QuantizedGather:
           s = lax.all_gather(s, axes, axis=dim, tiled=True)
       return lax.bitcast_convert_type(v, t.values.dtype), s
 
-    v, s = jax.shard_map(
-      body,
-      mesh=self.mesh,
-      in_specs=(PartitionSpec(*spec),),
-      out_specs=(PartitionSpec(), PartitionSpec()),
-      check_vma=False,
-    )(w)
+    if self.manual:
+      v, s = body(w)
+      source = grad_anchor(w, spec, full)
+    else:
+      v, s = jax.shard_map(
+        body,
+        mesh=self.mesh,
+        in_specs=(PartitionSpec(*spec),),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        check_vma=False,
+      )(w)
+      source = w
     return dataclasses.replace(
-      meta, values=v, scales=s, source=w, shape=tuple(w.shape)
+      meta, values=v, scales=s, source=source, shape=full
     )
 
   def _size(self, axes) -> int:
@@ -107,3 +119,27 @@ class QuantizedGather:
       return 1
     axes = (axes,) if isinstance(axes, str) else axes
     return math.prod(self.mesh.shape[a] for a in axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def grad_anchor(w_local, spec, full):
+  """A full-shape (`full`) stand-in for a weight gathered in 8 bits, under
+  manual axes: never read (zeros), its gradient goes back to the local shard
+  by a reduce-scatter along every sharded dimension (the transpose of the
+  gather the high-precision weight never took)."""
+  del spec
+  return jnp.zeros(full, w_local.dtype)
+
+
+def _anchor_fwd(w_local, spec, full):
+  return grad_anchor(w_local, spec, full), None
+
+
+def _anchor_bwd(spec, full, _, g):
+  for dim, axes in enumerate(spec):
+    if axes is not None:
+      g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+  return (g,)
+
+
+grad_anchor.defvjp(_anchor_fwd, _anchor_bwd)

@@ -1,9 +1,10 @@
 """`Placement`: the one object the train step asks where work runs.
 
 It bundles a mesh and a strategy name (a rule table of `sharding.rules`)
-and offers the two placement-aware operations the model cannot express with
-logical axes alone: sharded embedding lookups (`sharding.embedding`, G7)
-and expert parallelism (`sharding.experts`, G6). Dense layers need nothing
+and offers the placement-aware operations the model cannot express with
+logical axes alone: sharded embedding lookups (`sharding.embedding`, G7),
+expert parallelism (`sharding.experts`, G6) and per-shard work for the
+Pallas kernels (`per_shard`). Dense layers need nothing
 here: their parameters carry shardings and XLA's SPMD partitioner inserts
 the FSDP all-gathers and reduce-scatters.
 """
@@ -59,11 +60,66 @@ class Placement:
 
     return jax.tree.map(one, logical_axes, params, keep, is_leaf=rules._is_axes)
 
-  def fp8_hook(self):
+  def per_shard(self, fn, logical_axes, keep=None):
+    """`fn(params, batch)` over stacked data shards `[S, ...]`, run by each
+    device on its own shards only (`shard_map` over the whole mesh).
+
+    The Pallas kernels (attention, norms, FP8 matmuls) are custom calls,
+    which XLA's SPMD partitioner cannot split: left to it, every device
+    all-gathers the whole batch and runs the kernels on every shard (2 H200s
+    ran a step 3x slower than one). Here the kernels see local shards.
+
+    `params` go in as stored. Dense weights are all-gathered inside their
+    FSDP group as `fn` receives them, so their gradients are reduce-scattered
+    back inside the group and only the shard is summed across the axes the
+    weight is replicated on (G5, as `gather_dense`). Tables and experts stay
+    local (their lookups and exchanges run outside); weights `keep` marks
+    (FP8 layers) stay local for the manual FP8 hook (`fp8_hook(manual=True)`),
+    which gathers them in 8 bits."""
+    mesh, strategy = self.mesh, self.strategy
+    batch_spec = PartitionSpec(rules.batch_axes(mesh, strategy) or None)
+
+    def spec(axes, x):
+      return rules.logical_to_spec(axes, x.shape, mesh, strategy)
+
+    def run(params, batch):
+      kept = keep or jax.tree.map(lambda _: False, params)
+      specs = jax.tree.map(spec, logical_axes, params, is_leaf=rules._is_axes)
+
+      def body(params_local, batch_local):
+        def gather(axes, x, p_spec, k):
+          if k or "table_rows" in axes or "experts" in axes:
+            return x
+          for dim, a in enumerate(p_spec):
+            if a is not None:
+              x = jax.lax.all_gather(x, a, axis=dim, tiled=True)
+          return x
+
+        used = jax.tree.map(
+          gather,
+          logical_axes,
+          params_local,
+          specs,
+          kept,
+          is_leaf=rules._is_axes,
+        )
+        return fn(used, batch_local)
+
+      return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(specs, batch_spec),
+        out_specs=batch_spec,
+        check_vma=False,
+      )(params, batch)
+
+    return run
+
+  def fp8_hook(self, manual: bool = False):
     """The FP8 weight hook (G4): quantize the local shard, gather 8 bits."""
     from sharding.fp8 import QuantizedGather
 
-    return QuantizedGather(self.mesh, self.strategy)
+    return QuantizedGather(self.mesh, self.strategy, manual)
 
   def run_experts(self, w_el, x_s, fns):
     return experts.run_experts(self.mesh, self.strategy, w_el, x_s, fns)

@@ -41,16 +41,27 @@ def forward(
     # its shards data-parallel; tables and experts keep their own layouts,
     # FP8 layers' weights are gathered in 8 bits by the FP8 hook (G4).
     keep = fp8_weight_mask(model)
+    has_fp8 = any(jax.tree.leaves(keep))
+
+    def features(params, batch):
+      # Per device, on its own shards (see `Placement.per_shard`).
+      hook = placement.fp8_hook(manual=True) if has_fp8 else None
+      with fp8_weight_hook(hook):
+        local = model_def.bind(params)
+        return jax.vmap(
+          lambda b: local.features(b, max_len=max_len, max_cands=max_cands)
+        )(batch)
+
     model = model_def.bind(
       placement.gather_dense(params, model_def.logical_axes, keep)
     )
-    hook = placement.fp8_hook() if any(jax.tree.leaves(keep)) else None
+    hook = placement.fp8_hook() if has_fp8 else None
     tables = params["embeddings"]["tables"]
     with fp8_weight_hook(hook):
       batch = gather_rows(tables, batch, placement.lookup)
-      feats = jax.vmap(
-        lambda b: model.features(b, max_len=max_len, max_cands=max_cands)
-      )(batch)
+      feats = placement.per_shard(features, model_def.logical_axes, keep)(
+        params, batch
+      )
       if model.dhen is not None:
         feats = model.dhen(feats, placement.run_experts)
       if keys is None:

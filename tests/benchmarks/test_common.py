@@ -40,3 +40,24 @@ def test_goal_is_judged_on_ratio():
   assert report.met(_rec("c", 0.02, goal=0.03, lower=True)) == "yes"
   assert report.met(_rec("c", 0.04, goal=0.03, lower=True)) == "**no**"
   assert report.met(_rec("c", 1.0)) == ""
+
+
+def test_trace_summary_splits_device_time(tmp_path):
+  # On CPU the trace has host threads only; the same parser reads the
+  # GPU's streams in scaling.py --profile.
+  import jax
+  import jax.numpy as jnp
+
+  f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+  x = jnp.ones((256, 256))
+  f(x).block_until_ready()
+  with jax.profiler.trace(tmp_path, create_perfetto_trace=True):
+    for _ in range(2):
+      f(x).block_until_ready()
+  out = common.trace_summary(tmp_path, steps=2, device="/host:CPU")
+  assert out, "no thread of the host process found"
+  for t in out.values():
+    assert t["collective_ms"] >= 0 and t["other_ms"] >= 0
+    assert all(ms > 0 for _, ms in t["top"])
+  assert sum(t["other_ms"] for t in out.values()) > 0
+  assert common.trace_summary(tmp_path / "missing", steps=1) == {}

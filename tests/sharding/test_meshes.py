@@ -28,10 +28,12 @@ SCALAR = 64  # bytes: loss, norms, pass counts; may go anywhere
 
 # Every (kind, tiers) of the 16-device step's collectives above SCALAR bytes.
 _COMMON = {
-  # dense FSDP (G5): parameter all-gathers inside the group; XLA:CPU sums
-  # gradients inside the group with all-reduce (XLA:GPU makes that a
-  # reduce-scatter), then the sharded gradient crosses `cluster`.
+  # dense FSDP (G5): parameter all-gathers inside the group, gradients
+  # reduce-scattered inside it (the per-shard feature path gathers and
+  # scatters explicitly; XLA:CPU partitions the head's gradient sum as an
+  # all-reduce), then the sharded gradient crosses `cluster`.
   ("all-gather", ("zone", "node")),
+  ("reduce-scatter", ("zone", "node")),
   ("all-reduce", ("zone", "node")),
   ("all-reduce", ("cluster",)),
   # replicated parameters (gains, biases, the 4-row action table): DDP
