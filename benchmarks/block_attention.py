@@ -179,27 +179,15 @@ def run_case(mix, rng, records, bw):
   ]  # fmt: skip
 
   # Correctness first: ours vs the f32 reference (forward and gradients),
-  # and ours vs the cuDNN-blocks baseline (forward, real rows). A failure
-  # is printed and recorded, and the baselines are still measured.
-  try:
-    errs = check(mix, ours, cudnn_blocks, sets, blocked, off, blocks)
-  except Exception as e:
-    print(f"{mix}: OUR KERNELS FAILED: {type(e).__name__}: {e}"[:3000])
-    errs = None
-  for name, err in (errs or {}).items():
-    records.append(
-      common.record(
-        "block_attention",
-        mix,
-        "mosaic",
-        f"rel_err_{name}",
-        err,
-        goal=MAX_REL_ERR,
-        lower_is_better=True,
-      )
-    )
-  if errs and max(errs.values()) >= MAX_REL_ERR:
-    print(f"{mix}: CHECK FAILED (rel err >= {MAX_REL_ERR})", flush=True)
+  # and ours vs the cuDNN-blocks baseline (forward, real rows); see
+  # `common.checked`.
+  errs = common.checked(
+    "block_attention",
+    mix,
+    lambda: check(mix, ours, cudnn_blocks, sets, blocked, off, blocks),
+    records,
+    MAX_REL_ERR,
+  )
 
   times = {}
   for name, fn, args in (

@@ -156,6 +156,65 @@ def pad(x_t, off, lmax):
   return jnp.where(valid[:, :, None, None], x_t[idx], 0).astype(x_t.dtype)
 
 
+def padded_sets(sets, q_off, kv_off, max_q, max_kv):
+  """Packed `(q, k, v, do)` input sets -> padded `[b, L, ...]` copies (made
+  once, outside any timed call)."""
+  return [
+    (
+      pad(q, q_off, max_q),
+      pad(k, kv_off, max_kv),
+      pad(v, kv_off, max_kv),
+      pad(do, q_off, max_q),
+    )
+    for q, k, v, do in sets
+  ]
+
+
+def cudnn_padded(q_lens, kv_lens, implementation="cudnn"):
+  """The padded softmax-attention baseline: `fn(q, k, v)` on `[b, L, ...]`
+  with per-sample lengths (`implementation="xla"` in CPU smoke runs)."""
+  q_lens, kv_lens = jnp.asarray(q_lens), jnp.asarray(kv_lens)
+
+  def fn(q, k, v):
+    return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      implementation=implementation,
+      query_seq_lengths=q_lens,
+      key_value_seq_lengths=kv_lens,
+    )
+
+  return fn
+
+
+def checked(benchmark, case, check, records, max_err):
+  """Run `check() -> {name: rel err}` and record each error against
+  `max_err`. A failure (an exception or an error over the bound) is
+  printed, never raised: the baselines are still measured, so one device
+  run tells as much as it can. Returns the errors (None if it raised)."""
+  try:
+    errs = check()
+  except Exception as e:  # noqa: BLE001 - report and go on
+    print(f"{case}: OUR KERNELS FAILED: {type(e).__name__}: {e}"[:3000])
+    return None
+  for name, err in errs.items():
+    records.append(
+      record(
+        benchmark,
+        case,
+        "mosaic",
+        f"rel_err_{name}",
+        err,
+        goal=max_err,
+        lower_is_better=True,
+      )
+    )
+  if errs and max(errs.values()) >= max_err:
+    print(f"{case}: CHECK FAILED (rel err >= {max_err})", flush=True)
+  return errs
+
+
 def rel_err(got, want) -> float:
   """Relative Frobenius error of `got` against `want` (computed in f32)."""
   g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)

@@ -172,48 +172,17 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
       interpret=INTERPRET,
     )
 
-  # Correctness first. A failure is printed and recorded, and the baselines
-  # are still measured (one device run must tell as much as it can).
-  try:
-    errs = check(case, ours, q_off_j, kv_off_j, sets, max_q, max_kv)
-  except Exception as e:
-    print(f"{case}: OUR KERNELS FAILED: {type(e).__name__}: {e}"[:3000])
-    errs = None
-  for name, err in (errs or {}).items():
-    records.append(
-      common.record(
-        "gdpa",
-        case,
-        "mosaic",
-        f"rel_err_{name}",
-        err,
-        goal=MAX_REL_ERR,
-        lower_is_better=True,
-      )
-    )
-  if errs and max(errs.values()) >= MAX_REL_ERR:
-    print(f"{case}: CHECK FAILED (rel err >= {MAX_REL_ERR})", flush=True)
-
-  q_lens_j, kv_lens_j = jnp.asarray(q_lens), jnp.asarray(kv_lens)
-  padded = [
-    (
-      common.pad(q, q_off, max_q),
-      common.pad(k, kv_off, max_kv),
-      common.pad(v, kv_off, max_kv),
-      common.pad(do, q_off, max_q),
-    )
-    for q, k, v, do in sets
-  ]
-
-  def cudnn(q, k, v):
-    return jax.nn.dot_product_attention(
-      q,
-      k,
-      v,
-      implementation=CUDNN,
-      query_seq_lengths=q_lens_j,
-      key_value_seq_lengths=kv_lens_j,
-    )
+  # Correctness first (see `common.checked`).
+  errs = common.checked(
+    "gdpa",
+    case,
+    lambda: check(case, ours, q_off_j, kv_off_j, sets, max_q, max_kv),
+    records,
+    MAX_REL_ERR,
+  )
+  kv_lens_j = jnp.asarray(kv_lens)
+  padded = common.padded_sets(sets, q_off, kv_off, max_q, max_kv)
+  cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
 
   def xla(q, k, v):
     return xla_activation_attention(q, k, v, kv_lens_j)

@@ -111,27 +111,8 @@ def run_case(h, mix, rng, args, records, extra):
       q, k, v, q_off_j, kv_off_j, max_len_q=LMAX, max_len_kv=lmax_kv
     )
 
-  lens_j = jnp.asarray(q_lens)
-  kv_lens_j = jnp.asarray(kv_lens)
-  padded = [
-    (
-      common.pad(q, q_off, LMAX),
-      common.pad(k, kv_off, lmax_kv),
-      common.pad(v, kv_off, lmax_kv),
-      common.pad(do, q_off, LMAX),
-    )
-    for q, k, v, do in sets
-  ]
-
-  def cudnn(q, k, v):
-    return jax.nn.dot_product_attention(
-      q,
-      k,
-      v,
-      implementation=CUDNN,
-      query_seq_lengths=lens_j,
-      key_value_seq_lengths=kv_lens_j,
-    )
+  padded = common.padded_sets(sets, q_off, kv_off, LMAX, lmax_kv)
+  cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
 
   # Correctness at full scale: ours vs cuDNN on the real rows.
   q, k, v, _ = sets[0]
