@@ -74,8 +74,7 @@ def timed(fn, sets, iters=None):
 
 def lengths(mix, rng):
   if mix == "lognormal":
-    x = np.exp(rng.normal(np.log(1100 * LMAX / 2048), 0.6, B))
-    return np.clip(np.round(x), 1, LMAX).astype(np.int32)
+    return common.lognormal_lengths(rng, B, LMAX)
   if mix == "all2048":
     return np.full(B, LMAX, np.int32)
   raise ValueError(mix)

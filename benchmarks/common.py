@@ -143,6 +143,13 @@ def trace_summary(log_dir, steps: int, top: int = 12, device="/device:GPU"):
 # Attention benchmarks: jagged inputs and their padded baselines.
 
 
+def lognormal_lengths(rng, n: int, lmax: int = 2048):
+  """The issues' log-normal traffic: median 1,100 (scaled by `lmax / 2048`
+  in small runs), sigma 0.6, capped at `lmax`, at least 1."""
+  x = np.exp(rng.normal(np.log(1100 * lmax / 2048), 0.6, n))
+  return np.clip(np.round(x), 1, lmax).astype(np.int32)
+
+
 def offsets(lens):
   return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 

@@ -307,11 +307,6 @@ def tune(case, ours, sets, extra):
       extra.append({"case": case, "part": f"{kind} {bs}", "ms": sec * 1e3})
 
 
-def lognormal(rng, n, median, cap):
-  x = np.exp(rng.normal(np.log(median), 0.6, n))
-  return np.clip(np.round(x), 1, cap).astype(np.int32)
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=None)
@@ -343,7 +338,7 @@ def main():
       kv_lens = np.full(B, kv, np.int32)
     elif case == "pooled":
       q_lens = np.full(B, POOLED_Q, np.int32)
-      kv_lens = lognormal(rng, B, 1100 * LMAX / 2048, LMAX)
+      kv_lens = common.lognormal_lengths(rng, B, LMAX)
     else:
       raise ValueError(case)
     run_case(case, q_lens, kv_lens, args, records, extra, ceilings)

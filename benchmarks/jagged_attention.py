@@ -67,8 +67,7 @@ def timed(fn, sets, iters=None):
 
 def lengths(mix, rng):
   if mix == "lognormal":
-    x = np.exp(rng.normal(np.log(1100 * LMAX / 2048), 0.6, B))
-    return np.clip(np.round(x), 1, LMAX).astype(np.int32)
+    return common.lognormal_lengths(rng, B, LMAX)
   if mix == "uniform":
     return rng.integers(1, LMAX + 1, B).astype(np.int32)
   if mix in ("all2048", "cross"):

@@ -223,12 +223,6 @@ def _run(variant, devices, args, timeout):
   return json.loads(line[0][len("RESULT ") :]), None
 
 
-def jax_platform() -> str:
-  import jax
-
-  return jax.default_backend()
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--worker", action="store_true")
@@ -263,6 +257,8 @@ def main():
     )
     return
   sys.path.insert(0, ROOT)
+  import jax
+
   from benchmarks import common
 
   t_start = time.monotonic()
@@ -335,7 +331,7 @@ def main():
   for r in records:
     r["command"] = "python3 benchmarks/scaling.py"
   # A CPU check (`--config smoke`) never touches benchmarks/results.
-  smoke = jax_platform() == "cpu"
+  smoke = jax.default_backend() == "cpu"
   common.write_results("scaling", records, args.out, dry_run=smoke)
   if args.out:
     with open(os.path.join(args.out, "scaling_raw.json"), "w") as f:

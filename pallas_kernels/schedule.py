@@ -160,3 +160,24 @@ def zigzag_assignment(num_items: int, num_workers: int) -> jax.Array:
   w = jnp.arange(num_workers, dtype=jnp.int32)[None, :]
   lane = jnp.where(r % 2 == 0, w, num_workers - 1 - w)
   return r * num_workers + lane
+
+
+def persistent_workers(num_groups: int, num_sms: int, num_items: int) -> int:
+  """Persistent CTAs per group (head pair, KV head) so that all groups
+  together fill about `num_sms` SMs, and never more than there are items."""
+  return max(1, min(-(-num_sms // num_groups), num_items))
+
+
+def deal(num_items: int, num_real, workers: int, chunk: int):
+  """Zig-zag deal of `chunk`-item runs over `workers` persistent CTAs.
+
+  Returns (`int32[w, j]` item of each worker's j-th step, `int32[w]` real
+  steps per worker). Items `>= num_real` are padding; they come last in the
+  sorted list, so each worker's real steps are a prefix of its row.
+  """
+  n_chunks = -(-num_items // chunk)
+  zz = zigzag_assignment(n_chunks, workers)  # [rounds, w]
+  ids = zz[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
+  ids = ids.transpose(1, 0, 2).reshape(workers, -1)  # [w, rounds * chunk]
+  real = ids < num_real
+  return jnp.where(real, ids, 0), real.sum(axis=1).astype(jnp.int32)

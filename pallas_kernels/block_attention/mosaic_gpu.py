@@ -77,7 +77,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic, schedule
-from pallas_kernels.gdpa.mosaic_gpu import deal
 
 TILE = 64
 PART = 64  # columns of one part of a tile (see "Column parts")
@@ -136,10 +135,6 @@ def rope_table(max_len: int, h: int, theta: float):
   freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
   ang = jnp.arange(rows, dtype=jnp.float32)[:, None] * freq
   return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
-
-
-def _workers(kh: int, bs: BlockSizes, num_items: int) -> int:
-  return max(1, min(-(-bs.num_sms // kh), num_items))
 
 
 def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
@@ -274,6 +269,28 @@ def _probs(x, valid, static):
   return p * lax.broadcast_in_dim(inv, p.shape, [0])
 
 
+def _load_kv(j, rows, pos0, kv_head, refs, buffers):
+  """The producer's per-tile loads, both kernels: K and V of tile `j` into
+  the raw buffers once the consumers released the previous tile's, and the
+  RoPE rows of its positions (`pos0...`) once the table is free."""
+  k_ref, v_ref, cs_ref = refs
+  k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free = buffers
+
+  @pl.when(j > 0)
+  def _():
+    plgpu.barrier_wait(raw_free)
+
+  _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
+  _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
+  if cs_ref is not None:
+
+    @pl.when(j > 0)
+    def _():
+      plgpu.barrier_wait(cs_free)
+
+    plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+
+
 def _store_rows(src, dst_ref, row, head, count):
   """Rows `[0, count)` of plain `src` (`[parts * 64, 64]`) to packed rows
   `row...` of `head`."""
@@ -322,8 +339,10 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   num_items = items.shape[0]
-  workers = _workers(kh, static.block_sizes, num_items)
-  dealt, counts = deal(num_items, num_real, workers, 1)
+  workers = schedule.persistent_workers(
+    kh, static.block_sizes.num_sms, num_items
+  )
+  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
   jobs = [len(_heads_of(wg, group, nwg)) for wg in range(nwg)]
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, *rest):
@@ -404,24 +423,12 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     @pl.when(wg == nwg)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
+      buffers = (k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free)
 
       def body(j, _):
         row, _, pos0, _ = item(j)
-
-        @pl.when(j > 0)
-        def _():
-          plgpu.barrier_wait(raw_free)
-
         rows = pl.ds(row, TILE)
-        _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
-        _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
-        if rope:
-
-          @pl.when(j > 0)
-          def _():
-            plgpu.barrier_wait(cs_free)
-
-          plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+        _load_kv(j, rows, pos0, kv_head, (k_ref, v_ref, cs_ref), buffers)
         for wg_i in range(nwg):
           for jj, g in enumerate(_heads_of(wg_i, group, nwg)):
             cnt = j * jobs[wg_i] + jj
@@ -530,8 +537,10 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   c = static.scale * LOG2E
   scale = static.scale
   num_items = items.shape[0]
-  workers = _workers(kh, static.block_sizes, num_items)
-  dealt, counts = deal(num_items, num_real, workers, 1)
+  workers = schedule.persistent_workers(
+    kh, static.block_sizes.num_sms, num_items
+  )
+  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
              *rest):  # fmt: skip
@@ -626,6 +635,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     @pl.when(wg == 1)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
+      buffers = (k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free)
 
       def load_qd(rows, cnt, g):
         @pl.when(cnt >= 1)
@@ -638,22 +648,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
       def body(j, _):
         row, _, pos0, _ = item(j)
-
-        @pl.when(j > 0)
-        def _():
-          plgpu.barrier_wait(raw_free)
-
         rows = pl.ds(row, TILE)
-        _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
-        _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
+        _load_kv(j, rows, pos0, kv_head, (k_ref, v_ref, cs_ref), buffers)
         load_qd(rows, j * group, 0)
-        if rope:
-
-          @pl.when(j > 0)
-          def _():
-            plgpu.barrier_wait(cs_free)
-
-          plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
 
         @pl.loop(1, group)
         def _(g):

@@ -33,7 +33,7 @@ CTAs (one per query tile) mostly wait on their own loads. So:
 3. Deal zig-zag across SMs: the sorted list is cut into chunks of
    `deal_chunk` consecutive tiles (consecutive tiles are usually one
    sequence, so resident keys get reused) and chunks are dealt with
-   `schedule.zigzag_assignment`: worker `w` takes chunks `w, 2W-1-w, 2W+w,
+   `schedule.deal`: worker `w` takes chunks `w, 2W-1-w, 2W+w,
    ...`, one long and one short per round, so per-SM work is balanced.
 
 Boundaries by zero-fill, as in the jagged kernel (G1), and here even
@@ -216,25 +216,6 @@ def act_and_grad(x, name: str, tanh: str = "poly"):
 # Work lists.
 
 
-def deal(num_items: int, num_real, workers: int, chunk: int):
-  """Zig-zag deal of `chunk`-item runs over `workers` persistent CTAs.
-
-  Returns (`int32[w, j]` item of each worker's j-th step, `int32[w]` real
-  steps per worker). Items `>= num_real` are padding; they come last in the
-  sorted list, so each worker's real steps are a prefix of its row.
-  """
-  n_chunks = -(-num_items // chunk)
-  zz = schedule.zigzag_assignment(n_chunks, workers)  # [rounds, w]
-  ids = zz[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
-  ids = ids.transpose(1, 0, 2).reshape(workers, -1)  # [w, rounds * chunk]
-  real = ids < num_real
-  return jnp.where(real, ids, 0), real.sum(axis=1).astype(jnp.int32)
-
-
-def num_workers(num_head_groups: int, bs: BlockSizes, num_items: int) -> int:
-  return max(1, min(-(-bs.num_sms // num_head_groups), num_items))
-
-
 def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
   """Items of the dK/dV kernel: one per `block_kv`-row key tile, longest
   first (cost: the query tiles it streams).
@@ -313,8 +294,10 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   bs = static.block_sizes
   hpc = _heads_per_cta(n, kh, h, bs, is_dq)
   bq, bkv, mcs = bs.block_q, bs.block_kv, bs.kv_stages
-  workers = num_workers(n // hpc, bs, items.shape[0])
-  dealt, counts = deal(items.shape[0], num_real, workers, bs.deal_chunk)
+  workers = schedule.persistent_workers(n // hpc, bs.num_sms, items.shape[0])
+  dealt, counts = schedule.deal(
+    items.shape[0], num_real, workers, bs.deal_chunk
+  )
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, schedule
 from pallas_kernels.gdpa import gdpa, gdpa_reference
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.op import IMPLEMENTATIONS, gdpa_mosaic
@@ -187,7 +187,7 @@ def test_kernel_activations_match_reference(name):
 def test_deal_covers_every_item_once():
   num_items, workers, chunk = 37, 5, 3
   for num_real in (0, 1, 20, 37):
-    dealt, counts = mg.deal(num_items, num_real, workers, chunk)
+    dealt, counts = schedule.deal(num_items, num_real, workers, chunk)
     dealt, counts = np.asarray(dealt), np.asarray(counts)
     seen = np.concatenate([dealt[w, : counts[w]] for w in range(workers)])
     np.testing.assert_array_equal(np.sort(seen), np.arange(num_real))
