@@ -11,7 +11,11 @@ in `shard_map`; on every device:
    and candidate item ids together) are sorted and made unique,
    `jnp.unique(size=m)`; a hot id is sent once per device, not once per use;
 2. bucket: unique ids go to the bucket of their owner, `id // B`; buckets
-   have a static capacity `k = ceil(capacity_factor * m / n)`;
+   have a static capacity `k = ceil(capacity_factor * m / n)`, or `k = m`
+   (room for every id) when that is at most twice as large (`n <=
+   2 * capacity_factor`, e.g. 2 devices): one pass is then always enough,
+   and the lookup has no loop (on the GPU, a loop's trip count is a host
+   round trip that stalls the launch queue, a sync per lookup);
 3. exchange: an all-to-all of `[n, k]` ids over the exchange group, a local
    gather of the requested rows, an all-to-all of `[n, k, e]` rows back;
 4. overflow: a bucket with more than `k` ids is served by further passes
@@ -194,7 +198,7 @@ def plan_passes(
   for d in range(devices):
     flat = np.concatenate([p[d] for p in per])
     m = flat.size
-    k = max(1, min(m, math.ceil(capacity_factor * m / n)))
+    k = _capacity(m, n, capacity_factor)
     uniq = np.unique(flat[(flat >= 0) & (flat < num_rows)])
     counts = np.bincount(uniq // owner_rows, minlength=n)
     passes = max(passes, -(-int(counts.max(initial=0)) // k))
@@ -347,7 +351,7 @@ class _Exchange:
     self.axes = plan.layout.exchange
     self.n = n = plan.size(self.axes)
     self.m = m = flat.shape[0]
-    self.k = k = max(1, min(m, math.ceil(plan.capacity_factor * m / n)))
+    self.k = k = _capacity(m, n, plan.capacity_factor)
     v = plan.num_rows
     self.valid = (flat >= 0) & (flat < v)
     key = jnp.where(self.valid, flat, v)  # invalid ids sort last
@@ -358,11 +362,13 @@ class _Exchange:
     self.counts = jnp.zeros((n,), jnp.int32).at[owner].add(1, mode="drop")
     self.start = jnp.cumsum(self.counts) - self.counts  # sorted: contiguous
     self.block_rows = block_rows
-    local = (jnp.max(self.counts) + k - 1) // k
-    # Every device that meets in a collective of a pass runs the same
-    # passes: the exchange group and (gen 3) the host's gather group.
-    group = self.axes + plan.layout.gather
-    self.passes = jax.lax.pmax(local, group) if group else local
+    self.passes = None  # k = m: one pass, always
+    if k < m:
+      local = (jnp.max(self.counts) + k - 1) // k
+      # Every device that meets in a collective of a pass runs the same
+      # passes: the exchange group and (gen 3) the host's gather group.
+      group = self.axes + plan.layout.gather
+      self.passes = jax.lax.pmax(local, group) if group else local
 
   def _pos(self, p):
     j = p * self.k + jnp.arange(self.k)  # [k] slot within a bucket
@@ -407,7 +413,16 @@ class _Exchange:
       return c[0] + 1, one_pass(c[0], c[1])
 
     first = one_pass(jnp.int32(0), init)
+    if self.passes is None:
+      return first
     return jax.lax.while_loop(cond, step, (jnp.int32(1), first))[1]
+
+
+def _capacity(m: int, n: int, capacity_factor: float) -> int:
+  """Bucket slots per owner and pass (see the module docstring, step 2)."""
+  if n <= 2 * capacity_factor:
+    return m
+  return max(1, min(m, math.ceil(capacity_factor * m / n)))
 
 
 def _split(rows_me, like):

@@ -59,7 +59,9 @@ def _reference_loss(table, seq, cand, w_seq, w_cand):
 
 def _run(mesh_shape, strategy, capacity_factor, skew, seed):
   rng = np.random.default_rng(seed)
-  mesh = sharding.make_mesh(*mesh_shape)
+  mesh = sharding.make_mesh(
+    *mesh_shape, devices=jax.devices()[: np.prod(mesh_shape)]
+  )
   table = jnp.asarray(rng.normal(size=(V, E)), jnp.float32)
   seq, _, cand = _ids(rng, skew)
   w_seq = jnp.asarray(rng.normal(size=(S, T, E)), jnp.float32)
@@ -132,6 +134,22 @@ def test_overflowing_buckets_take_more_passes(strategy):
   )
   assert passes == distinct > 1  # one id per pass for the busiest device
   _run((2, 2, 2), strategy, capacity, True, seed=2)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 2), (2, 2, 2)])
+def test_loop_only_where_one_pass_may_not_do(mesh_shape):
+  """2 devices: buckets hold every id (k = m), so even all ids in one
+  device's rows take one pass and the step has no loop (a host round trip
+  per lookup on the GPU). 8 devices: k = m / 8 and the loop stays."""
+  mesh, _, text = _run(mesh_shape, "fsdp", 1.0, True, seed=3)
+  rng = np.random.default_rng(3)
+  rng.normal(size=(V, E))  # drawn as in _run: the same skewed ids
+  seq, _, cand = _ids(rng, skew=True)
+  passes = embedding.plan_passes([seq, cand], V, mesh=mesh, strategy="fsdp")
+  if mesh.size == 2:
+    assert passes == 1 and " while(" not in text
+  else:
+    assert passes > 1 and " while(" in text
 
 
 def test_invalid_ids_read_zero_rows():
