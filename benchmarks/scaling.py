@@ -1,8 +1,8 @@
 """Weak scaling of `onetrans_v31` training: 2 H200s vs 1 (G11), and what the
-XLA / NCCL settings for communication overlap do (G8).
+sharding strategy and the XLA / NCCL settings for communication overlap do
+(G8).
 
-  cd <repo> && NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 \\
-    python3 benchmarks/scaling.py --out "$OUT"          # needs 2 GPUs
+  cd <repo> && PYTHONPATH=. python3 benchmarks/scaling.py --out "$OUT"  # 2 GPUs
 
 Each GPU trains one data shard per step (32 requests of the 2K traffic, a
 38,912-token buffer), so 2 GPUs do twice the work of 1 in a step:
@@ -10,41 +10,44 @@ Each GPU trains one data shard per step (32 requests of the 2K traffic, a
   scaling ratio = 2-GPU throughput / (2 x 1-GPU throughput)
                 = 1-GPU step time / 2-GPU step time        (goal >= 0.9)
 
-The 2-GPU run uses strategy `fsdp` on a 1 x 1 x 2 mesh: dense weights
-FSDP-sharded over the 2 GPUs (all-gathered for use, gradients reduce-
-scattered), tables row-sharded with the bucketed all-to-all lookup.
 Batches are built on the host before timing and rotated (3 of them), and a
 step is timed as the median over rounds of several steps with a
 `block_until_ready` per round: this measures the device's training step, not
 the data pipeline. Losses are checked finite.
 
-Variants (each a fresh process, since XLA and NCCL read their settings at
-start):
-- `default`: XLA's defaults (its latency-hiding scheduler already overlaps
-  async collectives with compute on GPU);
-- `nccl_1ch`: `NCCL_MAX_NCHANNELS=1`, NCCL runs its collectives on one
-  channel (one SM per ring) instead of many: fewer SMs taken from compute
-  (GEM moved its all-gathers from 24 SMs to 1), slower transfers;
-- `overlap`: XLA flags that pipeline the FSDP all-gathers / reduce-scatters
-  / all-reduces across loop iterations and give collectives the highest-
-  priority stream (`--xla_gpu_enable_pipelined_*`,
-  `--xla_gpu_enable_highest_priority_async_stream`);
-- `memcpy_p2p`: `--xla_gpu_use_memcpy_local_p2p`, local (NVLink) transfers
-  by the copy engines instead of NCCL kernels on SMs;
-- `ddp`: strategy `replicated` (every weight and table on both GPUs, one
-  gradient all-reduce): no FSDP gathers and no id exchange, so the gap to
-  `default` is what FSDP and the sharded lookup cost on 2 GPUs.
-`--variants` picks which run after `default` (all, in this order, if the
-time budget allows). `--profile` also traces 3 steps of every 2-GPU run and
-prints device ms/step per stream, collectives apart from the rest, with the
-costliest kernels (`common.trace_summary`): where a step's time goes.
-A variant that would not fit the time budget is skipped and listed. If the
-default run fails (e.g. a Pallas kernel does not compile), it is retried
-with XLA attention on 4-request shards (the dense reference attention would
-not fit 2K-token shards of 32 requests), and the results say so.
+A variant is `strategy[+setting]`, trained on a 1 x 1 x 2 mesh:
+- strategies (`sharding.rules`): `replicated` (DDP: every weight and table on
+  both GPUs, one gradient all-reduce; what `onetrans_v31` uses), `fsdp`
+  (dense weights all-gathered for use and gradients reduce-scattered, tables
+  row-sharded with the bucketed all-to-all lookup);
+- settings (XLA and NCCL read them at start, so each variant is a fresh
+  process):
+  - `nccl_1ch`: `NCCL_MAX_NCHANNELS=1`, NCCL runs its collectives on one
+    channel (one SM per ring) instead of many: fewer SMs taken from compute
+    (GEM moved its all-gathers from 24 SMs to 1), slower transfers;
+  - `overlap`: XLA flags that pipeline the FSDP all-gathers / reduce-scatters
+    / all-reduces across loop iterations and give collectives the highest-
+    priority stream (`--xla_gpu_enable_pipelined_*`,
+    `--xla_gpu_enable_highest_priority_async_stream`);
+  - `memcpy_p2p`: `--xla_gpu_use_memcpy_local_p2p`, local (NVLink) transfers
+    by the copy engines instead of NCCL kernels on SMs.
+  Without a setting: XLA's defaults (its latency-hiding scheduler already
+  overlaps async collectives with compute on GPU).
+The 1-GPU baseline uses the config's strategy. Every run starts at once, so
+their compilations (~100 s each) overlap; the timed part runs one at a time
+under a file lock, with nothing else on the GPUs. `--profile` also traces 3
+steps of every run and prints device ms/step per stream, collectives apart
+from the rest, with the costliest kernels (`common.trace_summary`): where a
+step's time goes. If the config's own run fails (e.g. a Pallas kernel does
+not compile), it is retried with XLA attention on 4-request shards (the
+dense reference attention would not fit 2K-token shards of 32 requests), and
+the results say so.
 """
 
 import argparse
+import contextlib
+import fcntl
+import functools
 import json
 import os
 import statistics
@@ -52,8 +55,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = {
-  "default": {},
+SETTINGS = {
   "nccl_1ch": {"NCCL_MAX_NCHANNELS": "1"},
   "overlap": {
     "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true "
@@ -63,11 +65,21 @@ VARIANTS = {
     "--xla_gpu_enable_highest_priority_async_stream=true"
   },
   "memcpy_p2p": {"XLA_FLAGS": "--xla_gpu_use_memcpy_local_p2p=true"},
-  "ddp": {},  # strategy "replicated" (STRATEGIES)
 }
-STRATEGIES = {"ddp": "replicated"}  # default: fsdp
 GOAL = 0.9
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_LOCK = "/tmp/gemjax-scaling.lock"
+
+
+@contextlib.contextmanager
+def _gpus_alone():
+  """Hold the GPUs: one run times at a time, while the others compile."""
+  with open(GPU_LOCK, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def worker(
@@ -76,7 +88,7 @@ def worker(
   rounds,
   attention,
   config="onetrans_v31",
-  strategy="fsdp",
+  strategy="",
   profile=False,
 ):
   import dataclasses
@@ -106,15 +118,18 @@ def worker(
     ),
   )
   t_start = time.perf_counter()
+  name = f"{strategy or base.mesh.strategy}@{','.join(map(str, devices))}"
   log = lambda msg: print(
-    f"  [{time.perf_counter() - t_start:6.1f} s] {msg}",
+    f"  [{name} {time.perf_counter() - t_start:6.1f} s] {msg}",
     file=sys.stderr,
     flush=True,
   )
   log(f"jax {jax.__version__}, {jax.device_count()} devices")
   out = []
   for n in devices:
-    cfg = dataclasses.replace(base, mesh=MeshConfig(1, 1, n, strategy))
+    cfg = dataclasses.replace(
+      base, mesh=MeshConfig(1, 1, n, strategy or base.mesh.strategy)
+    )
     tr = Trainer.create(cfg, "/tmp/scaling-run", devices=jax.devices()[:n])
     it = loader.Loader(
       cfg.data, num_shards=n, split="train", process_index=0, process_count=1
@@ -128,33 +143,34 @@ def worker(
     step = tr.train_step.lower(state, staged[0]).compile()
     compile_s = time.perf_counter() - t0
     log(f"{n} GPU: compiled in {compile_s:.1f} s")
-    for i in range(3):  # warm-up
-      state, m = step(state, staged[i % 3])
-    jax.block_until_ready(m["loss"])
-    times, losses = [], []
-    for r in range(rounds):
-      t0 = time.perf_counter()
-      for i in range(steps):
-        state, m = step(state, staged[(r + i) % 3])
-      losses.append(float(m["loss"]))
-      times.append((time.perf_counter() - t0) / steps)
-    assert all(np.isfinite(losses)), losses
-    trace = None
-    if profile and n > 1:  # where the 2-GPU step's time goes
-      from benchmarks import common
+    with _gpus_alone():
+      for i in range(3):  # warm-up
+        state, m = step(state, staged[i % 3])
+      jax.block_until_ready(m["loss"])
+      times, losses = [], []
+      for r in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(steps):
+          state, m = step(state, staged[(r + i) % 3])
+        losses.append(float(m["loss"]))
+        times.append((time.perf_counter() - t0) / steps)
+      assert all(np.isfinite(losses)), losses
+      trace = None
+      if profile:  # where a step's time goes (1 GPU: the same without comms)
+        from benchmarks import common
 
-      log_dir = f"/tmp/scaling-trace-{n}"
-      with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        for i in range(3):
-          state, m = step(state, staged[i % 3])
-        jax.block_until_ready(m["loss"])
-      trace = common.trace_summary(log_dir, steps=3)
-      for k, v in trace.items():
-        log(
-          f"{k}: collectives {v['collective_ms']:.2f} ms, other"
-          f" {v['other_ms']:.2f} ms per step; top "
-          + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms in v["top"][:6])
-        )
+        log_dir = f"/tmp/scaling-trace/{os.getpid()}-{n}"
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+          for i in range(3):
+            state, m = step(state, staged[i % 3])
+          jax.block_until_ready(m["loss"])
+        trace = common.trace_summary(log_dir, steps=3)
+        for k, v in trace.items():
+          log(
+            f"{k}: collectives {v['collective_ms']:.2f} ms, other"
+            f" {v['other_ms']:.2f} ms per step; top "
+            + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms in v["top"][:6])
+          )
     out.append(
       {
         "devices": n,
@@ -170,19 +186,17 @@ def worker(
         "trace": trace,
       }
     )
-    print(
-      f"  {n} GPU: {out[-1]['step_s'] * 1e3:.2f} ms/step "
-      f"(compile {compile_s:.0f} s)",
-      file=sys.stderr,
-      flush=True,
-    )
+    log(f"{n} GPU: {out[-1]['step_s'] * 1e3:.2f} ms/step")
   print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run(variant, devices, args, timeout):
+def _start(variant, devices, args):
+  """A worker process for `strategy[+setting]` ("" = the config's)."""
+  strategy, _, setting = variant.partition("+")
   env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
   env["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (KINDS.md)
-  for k, v in VARIANTS[variant].items():  # add to what the caller set
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # runs share the GPUs
+  for k, v in SETTINGS[setting].items() if setting else ():
     env[k] = f"{env[k]} {v}" if k == "XLA_FLAGS" and env.get(k) else v
   cmd = [
     sys.executable,
@@ -199,28 +213,37 @@ def _run(variant, devices, args, timeout):
     "--config",
     args.config,
     "--strategy",
-    STRATEGIES.get(variant, "fsdp"),
+    strategy,
   ] + (["--profile"] if args.profile else [])
   print(
-    f"{variant}: {' '.join(f'{k}={v}' for k, v in VARIANTS[variant].items())}",
+    f"{variant or 'config'} on {devices} GPU(s): "
+    + " ".join(f"{k}={v}" for k, v in SETTINGS.get(setting, {}).items()),
     file=sys.stderr,
     flush=True,
   )
-  if timeout < 30:
-    return None, "skipped: not enough of the time budget left"
   # The worker's stderr (phase timings) goes straight to ours, live, so a
   # run cut short still shows how far it got.
-  p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+  return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _finish(p, deadline):
   try:
-    out, _ = p.communicate(timeout=timeout)
+    out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
   except subprocess.TimeoutExpired:
     p.kill()
     p.communicate()
-    return None, f"timed out after {timeout:.0f} s"
+    return None, "timed out (the time budget ran out)"
   line = [x for x in out.splitlines() if x.startswith("RESULT ")]
   if p.returncode or not line:
     return None, f"exit {p.returncode} (see the worker's stderr above)"
-  return json.loads(line[0][len("RESULT ") :]), None
+  return json.loads(line[0][len("RESULT ") :])[0], None
+
+
+def _check_variant(v):
+  strategy, _, setting = v.partition("+")
+  if setting and setting not in SETTINGS:
+    raise SystemExit(f"unknown setting {setting!r} in {v!r}: {list(SETTINGS)}")
+  return v
 
 
 def main():
@@ -233,16 +256,16 @@ def main():
   p.add_argument("--config", default="onetrans_v31", help="smoke: CPU check")
   p.add_argument("--budget-s", type=float, default=480.0)
   p.add_argument("--out", default=None)
-  p.add_argument("--strategy", default="fsdp", help="worker: mesh strategy")
+  p.add_argument("--strategy", default="", help="worker: mesh strategy")
   p.add_argument(
     "--profile",
     action="store_true",
-    help="also trace 3 steps of every 2-GPU run: device ms/step by kernel",
+    help="also trace 3 steps of every run: device ms/step by kernel",
   )
   p.add_argument(
     "--variants",
-    default="ddp,overlap,nccl_1ch,memcpy_p2p",
-    help="run after default, in order, while the budget allows",
+    default="fsdp,fsdp+overlap,fsdp+nccl_1ch,fsdp+memcpy_p2p",
+    help="strategy[+setting], run on 2 GPUs besides the config's own",
   )
   args = p.parse_args()
   if args.worker:
@@ -260,74 +283,55 @@ def main():
   import jax
 
   from benchmarks import common
+  from gemjax import config as config_lib
 
-  t_start = time.monotonic()
-  left = lambda: args.budget_s - (time.monotonic() - t_start)
-  raw, notes = {}, {}
-  res, err = _run("default", [1, 2], args, left())
-  if res is None and not args.attention and "timed out" not in err:
-    notes["default (pallas attention)"] = err
+  own = config_lib.load(args.config).mesh.strategy
+  deadline = time.monotonic() + args.budget_s
+  variants = [_check_variant(v) for v in args.variants.split(",") if v]
+  variants = [v for v in variants if v != own]
+  notes = {}
+
+  def run_all():
+    procs = {"1 GPU": _start("", [1], args)}
+    procs.update({v: _start(v, [2], args) for v in [own, *variants]})
+    return {v: _finish(proc, deadline) for v, proc in procs.items()}
+
+  done = run_all()
+  err = done["1 GPU"][1]
+  if err and not args.attention and "timed out" not in err:
+    notes["pallas attention"] = err
     # Fall back from the Pallas attention kernels to XLA's (dense, so with
     # 4-request shards of a 4,864-token buffer).
     args.attention = "xla"
-    res, err = _run("default", [1, 2], args, left())
-  if res is None:
-    notes["default"] = err
-  else:
-    raw["default"] = res
-  # s, estimated: a 2-GPU compile took ~115 s on the H200s
-  cost = 140
-  for v in args.variants.split(","):
-    if v not in VARIANTS or v == "default":
-      raise SystemExit(f"unknown variant {v!r}: one of {list(VARIANTS)[1:]}")
-    if res is None or left() < cost:
-      notes[v] = "skipped: not enough of the time budget left"
-      continue
-    r, err = _run(v, [2], args, left())
-    if r is None:
-      notes[v] = err
-    else:
-      raw[v] = r
+    done = run_all()
+  raw = {v: res for v, (res, _) in done.items()}
+  notes.update({v: err for v, (_, err) in done.items() if err})
+  one = raw["1 GPU"]
   records = []
-  if "default" in raw:
-    one = next(r for r in raw["default"] if r["devices"] == 1)
-    for v, runs in raw.items():
-      two = next(r for r in runs if r["devices"] == 2)
-      thr1 = one["requests_per_step"] / one["step_s"]
-      thr2 = two["requests_per_step"] / two["step_s"]
-      records.append(
-        common.record(
-          "scaling",
-          f"{args.config}/2x{common.device_name()}",
-          v,
-          "scaling_ratio",
-          thr2 / (2 * thr1),
-          goal=GOAL,
-        )
-      )
-      records.append(
-        common.record(
-          "scaling",
-          f"{args.config}/2x{common.device_name()}",
-          v,
-          "requests_per_s",
-          thr2,
-          baseline="1 GPU x 2",
-          baseline_value=2 * thr1,
-        )
-      )
-      records.append(
-        common.record(
-          "scaling",
-          f"{args.config}/2x{common.device_name()}",
-          v,
-          "step_ms",
-          two["step_s"] * 1e3,
-          baseline="1 GPU",
-          baseline_value=one["step_s"] * 1e3,
-          lower_is_better=True,
-        )
-      )
+  case = f"{args.config}/2x{common.device_name()}"
+  for v, two in raw.items():
+    if v == "1 GPU" or two is None or one is None:
+      continue
+    thr1 = one["requests_per_step"] / one["step_s"]
+    thr2 = two["requests_per_step"] / two["step_s"]
+    impl = v if v != own else f"{own} (config)"
+    record = functools.partial(common.record, "scaling", case, impl)
+    records += [
+      record("scaling_ratio", thr2 / (2 * thr1), goal=GOAL),
+      record(
+        "requests_per_s",
+        thr2,
+        baseline="1 GPU x 2",
+        baseline_value=2 * thr1,
+      ),
+      record(
+        "step_ms",
+        two["step_s"] * 1e3,
+        baseline="1 GPU",
+        baseline_value=one["step_s"] * 1e3,
+        lower_is_better=True,
+      ),
+    ]
   for r in records:
     r["command"] = "python3 benchmarks/scaling.py"
   # A CPU check (`--config smoke`) never touches benchmarks/results.
