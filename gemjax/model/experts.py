@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gemjax.model.layers import TRUNC_NORMAL, RMSNorm
+from gemjax.model.layers import TRUNC_NORMAL, RMSNorm, matmul
 
 PAD = 512  # L is a multiple of this, so up to 512-way FSDP divides it
 
@@ -80,13 +80,13 @@ class DHENLayer(nnx.Module):
   def _mlp(self, w_l, x):
     p = self.specs[0].unpack(w_l.astype(self.dtype))
     x = x.astype(self.dtype)
-    hid = jax.nn.gelu(_mm(x, p["w1"]) + p["b1"])
-    return (_mm(hid, p["w2"]) + p["b2"]).astype(x.dtype)
+    hid = jax.nn.gelu(matmul(x, p["w1"], x.dtype) + p["b1"])
+    return (matmul(hid, p["w2"], x.dtype) + p["b2"]).astype(x.dtype)
 
   def _cross(self, w_l, x):
     p = self.specs[1].unpack(w_l.astype(self.dtype))
     x = x.astype(self.dtype)
-    return (x * (_mm(x, p["wc"]) + p["bc"])).astype(x.dtype)
+    return (x * (matmul(x, p["wc"], x.dtype) + p["bc"])).astype(x.dtype)
 
   def __call__(self, x, run=None):
     w = self.w[...]
@@ -108,9 +108,3 @@ class DHEN(nnx.Module):
     for layer in self.layers:
       x = layer(x, run)
     return x
-
-
-def _mm(x, w):
-  return jnp.einsum(
-    "...i,io->...o", x, w, preferred_element_type=jnp.float32
-  ).astype(x.dtype)
