@@ -9,7 +9,7 @@ bf16 compute.
 
 Data-parallel (strategy `replicated`): every GPU holds all weights and
 tables (~185 MB dense, ~103 MB tables, f32) and one gradient all-reduce
-per step. On 2 H200s this scales at 0.95 of linear, FSDP at 0.7-0.8
+per step. On 2 H200s this scales at 0.91 of linear, FSDP at 0.86
 (`benchmarks/scaling.py`): at this size, gathering weights every layer
 costs more than it saves. `--set mesh.strategy=fsdp` for larger variants.
 """
