@@ -56,7 +56,6 @@ BLOCK, WINDOW, THETA = 64, 64, 10_000.0
 DTYPE = jnp.bfloat16
 R = 4  # input sets per timed call
 TAIL = 64
-ITERS, WARMUP = 20, 2
 CUDNN = "cudnn"
 INTERPRET = None  # GPU interpret mode under --smoke
 SMOKE = False
@@ -64,12 +63,6 @@ GOALS = {"fwd": 1.5, "fwdbwd": 1.5}
 SLIDING_GOAL = 1.44
 COPY_GOAL = 0.8
 MAX_REL_ERR = 2e-2  # vs the f32 reference (and cuDNN), forward and grads
-
-
-def timed(fn, sets, iters=None):
-  """Median seconds per input set (see `common.time_sets`)."""
-  iters = ITERS if iters is None else min(iters, ITERS)
-  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
 
 
 def lengths(mix, rng):
@@ -199,7 +192,7 @@ def run_case(mix, rng, records, bw):
       ("fwdbwd", common.loss_grad(fn)),
     ):
       try:
-        times[name, kind] = timed(f, args)
+        times[name, kind] = common.time_sets(f, args)
       except Exception as e:
         print(f"{mix} {name} {kind}: {type(e).__name__} {str(e)[:300]}")
 
@@ -326,11 +319,12 @@ def main():
   parser.add_argument("--mixes", default="all2048,lognormal")
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
-  global B, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET, SMOKE
+  global B, LMAX, R, CUDNN, INTERPRET, SMOKE
   if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, LMAX, R, ITERS, WARMUP, CUDNN = 2, 150, 1, 1, 0, "xla"
+    B, LMAX, R, CUDNN = 2, 150, 1, "xla"
+    common.TIMING.update(iters=1, warmup=0)
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE = True
   print(common.device_name(), jax.__version__, flush=True)

@@ -40,11 +40,18 @@ def time_fn(fn, *arg_sets, warmup: int = 3, iters: int = 20) -> float:
   return float(np.median(times))
 
 
-def time_sets(fn, sets, *, warmup: int, iters: int) -> float:
+# Iterations and warm-up calls of `time_sets`; CPU smoke runs set 1 and 0.
+TIMING = {"iters": 20, "warmup": 2}
+
+
+def time_sets(fn, sets, iters: int | None = None) -> float:
   """Median seconds per input set of `fn(*set)`, all sets in one jitted call
-  (several sets per call keep launch gaps and caches out of the figure)."""
+  (several sets per call keep launch gaps and caches out of the figure).
+  `iters` lowers `TIMING["iters"]` (a slow reference)."""
+  n = TIMING["iters"] if iters is None else min(iters, TIMING["iters"])
   batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  return time_fn(batched, (sets,), warmup=warmup, iters=iters) / len(sets)
+  sec = time_fn(batched, (sets,), warmup=TIMING["warmup"], iters=n)
+  return sec / len(sets)
 
 
 def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:

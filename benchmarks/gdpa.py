@@ -60,7 +60,6 @@ LMAX = 2048
 DTYPE = jnp.bfloat16
 R = 4  # input sets per timed call
 TAIL = 64
-ITERS, WARMUP = 20, 2
 CUDNN = "cudnn"
 INTERPRET = None  # GPU interpret mode under --smoke
 SMOKE_SIZES = None
@@ -68,12 +67,6 @@ GOALS = {"fwd": 1.6, "fwdbwd": 1.5}
 ROOFLINE_GOAL = 0.8
 MAX_REL_ERR = 2e-2  # vs the f32 reference, forward and gradients
 ACT = "gelu_tanh"
-
-
-def timed(fn, sets, iters=None):
-  """Median seconds per input set (see `common.time_sets`)."""
-  iters = ITERS if iters is None else min(iters, ITERS)
-  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
 
 
 def capacity(n_rows):
@@ -211,7 +204,7 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
   times = {}
   for impl, kind, fn, data in runs:
     try:
-      times[impl, kind] = timed(fn, data)
+      times[impl, kind] = common.time_sets(fn, data)
     except Exception as e:  # e.g. cuDNN rejects a shape
       print(f"{case} {impl} {kind}: {type(e).__name__} {str(e)[:300]}")
 
@@ -299,7 +292,7 @@ def tune(case, ours, sets, extra):
       ("fwdbwd", common.loss_grad(op)),
     ):
       try:
-        sec = timed(fn, sets)
+        sec = common.time_sets(fn, sets)
       except Exception as e:  # e.g. shared memory overflow
         print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
         continue
@@ -316,12 +309,13 @@ def main():
   parser.add_argument("--cases", default="cross16,cross64,cross256,pooled")
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
-  global B, LQ, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET, SMOKE_SIZES
+  global B, LQ, LMAX, R, CUDNN, INTERPRET, SMOKE_SIZES
   global KV_LENS, POOLED_Q
   if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, LQ, LMAX, R, ITERS, WARMUP, CUDNN = 2, 70, 150, 1, 1, 0, "xla"
+    B, LQ, LMAX, R, CUDNN = 2, 70, 150, 1, "xla"
+    common.TIMING.update(iters=1, warmup=0)
     KV_LENS, POOLED_Q = (16, 64, 130), 3
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE_SIZES = True

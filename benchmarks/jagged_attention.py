@@ -41,8 +41,6 @@ B, LMAX, N, KH = 32, 2048, 8, 2
 DTYPE = jnp.bfloat16
 R = 4  # input sets per timed call
 TAIL = 64
-ITERS = 20
-WARMUP = 2
 CUDNN = "cudnn"
 INTERPRET = None
 
@@ -57,12 +55,6 @@ GOALS = {
   (64, "all2048", "fwd"): 0.9,
   (64, "all2048", "fwdbwd"): 0.9,
 }
-
-
-def timed(fn, sets, iters=None):
-  """Median seconds per input set (see `common.time_sets`)."""
-  iters = ITERS if iters is None else min(iters, ITERS)
-  return common.time_sets(fn, sets, warmup=WARMUP, iters=iters)
 
 
 def lengths(mix, rng):
@@ -123,14 +115,20 @@ def run_case(h, mix, rng, args, records, extra):
   assert rel < 2e-2, rel
 
   times = {}
-  times["mosaic", "fwd"] = timed(lambda q, k, v, do: ours(q, k, v), sets)
-  times["mosaic", "fwdbwd"] = timed(common.loss_grad(ours), sets)
-  times["cudnn", "fwd"] = timed(lambda q, k, v, do: cudnn(q, k, v), padded)
-  times["cudnn", "fwdbwd"] = timed(common.loss_grad(cudnn), padded)
+  times["mosaic", "fwd"] = common.time_sets(
+    lambda q, k, v, do: ours(q, k, v), sets
+  )
+  times["mosaic", "fwdbwd"] = common.time_sets(common.loss_grad(ours), sets)
+  times["cudnn", "fwd"] = common.time_sets(
+    lambda q, k, v, do: cudnn(q, k, v), padded
+  )
+  times["cudnn", "fwdbwd"] = common.time_sets(common.loss_grad(cudnn), padded)
   if not args.quick:
     one = sets[:1]
-    times["xla", "fwd"] = timed(lambda q, k, v, do: ref(q, k, v), one, 5)
-    times["xla", "fwdbwd"] = timed(common.loss_grad(ref), one, 5)
+    times["xla", "fwd"] = common.time_sets(
+      lambda q, k, v, do: ref(q, k, v), one, 5
+    )
+    times["xla", "fwdbwd"] = common.time_sets(common.loss_grad(ref), one, 5)
 
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0
@@ -196,7 +194,7 @@ def tune(h, case, q_off, kv_off, sets, extra):
       ("fwdbwd", common.loss_grad(ours)),
     ]:
       try:
-        sec = timed(fn, sets)
+        sec = common.time_sets(fn, sets)
       except Exception as e:  # e.g. shared memory overflow
         print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
         continue
@@ -290,7 +288,7 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     ("bwd_delta", t_delta),
   ]:
     batched = jax.jit(lambda pairs, fn=fn: [fn(x, p) for x, p in pairs])
-    sec = common.time_fn(batched, (full,), warmup=WARMUP, iters=ITERS)
+    sec = common.time_fn(batched, (full,), **common.TIMING)
     sec /= len(full)
     print(f"{case:16s} {name:28s} {sec * 1e3:8.3f} ms", flush=True)
     extra.append({"case": case, "part": name, "ms": sec * 1e3})
@@ -309,8 +307,9 @@ def main():
   if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    global B, LMAX, R, ITERS, WARMUP, CUDNN, INTERPRET
-    B, LMAX, R, ITERS, WARMUP, CUDNN = 2, 128, 1, 1, 0, "xla"
+    global B, LMAX, R, CUDNN, INTERPRET
+    B, LMAX, R, CUDNN = 2, 128, 1, "xla"
+    common.TIMING.update(iters=1, warmup=0)
     INTERPRET = plgpu.InterpretGPUParams()
   print(common.device_name(), jax.__version__, flush=True)
   records, extra = [], []

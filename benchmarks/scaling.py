@@ -34,14 +34,14 @@ A variant is `strategy[+setting]`, trained on a 1 x 1 x 2 mesh:
   Without a setting: XLA's defaults (its latency-hiding scheduler already
   overlaps async collectives with compute on GPU).
 The 1-GPU baseline uses the config's strategy. Every run starts at once, so
-their compilations (~100 s each) overlap; the timed part runs one at a time
-under a file lock, with nothing else on the GPUs. `--profile` also traces 3
-steps of every run and prints device ms/step per stream, collectives apart
-from the rest, with the costliest kernels (`common.trace_summary`): where a
-step's time goes. If the config's own run fails (e.g. a Pallas kernel does
-not compile), it is retried with XLA attention on 4-request shards (the
-dense reference attention would not fit 2K-token shards of 32 requests), and
-the results say so.
+their compilations (~2 minutes each on the H200 host) overlap; the timed
+part runs one at a time under a file lock, with nothing else on the GPUs.
+`--profile` also traces 3 steps of every run and prints device ms/step per
+stream, collectives apart from the rest, with the costliest kernels
+(`common.trace_summary`): where a step's time goes. If the config's own run
+fails (e.g. a Pallas kernel does not compile), it is retried with XLA
+attention on 4-request shards (the dense reference attention would not fit
+2K-token shards of 32 requests), and the results say so.
 """
 
 import argparse
@@ -83,7 +83,7 @@ def _gpus_alone():
 
 
 def worker(
-  devices,
+  n,
   steps,
   rounds,
   attention,
@@ -118,79 +118,74 @@ def worker(
     ),
   )
   t_start = time.perf_counter()
-  name = f"{strategy or base.mesh.strategy}@{','.join(map(str, devices))}"
+  strategy = strategy or base.mesh.strategy
+  name = f"{strategy}@{n}"
   log = lambda msg: print(
     f"  [{name} {time.perf_counter() - t_start:6.1f} s] {msg}",
     file=sys.stderr,
     flush=True,
   )
   log(f"jax {jax.__version__}, {jax.device_count()} devices")
-  out = []
-  for n in devices:
-    cfg = dataclasses.replace(
-      base, mesh=MeshConfig(1, 1, n, strategy or base.mesh.strategy)
-    )
-    tr = Trainer.create(cfg, "/tmp/scaling-run", devices=jax.devices()[:n])
-    it = loader.Loader(
-      cfg.data, num_shards=n, split="train", process_index=0, process_count=1
-    )
-    host = [next(it) for _ in range(3)]
-    it.close()
-    staged = [tr.to_device(b) for b in host]
-    state = tr.init_state()
-    log(f"{n} GPU: model, state and 3 batches ready; compiling")
-    t0 = time.perf_counter()
-    step = tr.train_step.lower(state, staged[0]).compile()
-    compile_s = time.perf_counter() - t0
-    log(f"{n} GPU: compiled in {compile_s:.1f} s")
-    with _gpus_alone():
-      for i in range(3):  # warm-up
-        state, m = step(state, staged[i % 3])
-      jax.block_until_ready(m["loss"])
-      times, losses = [], []
-      for r in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(steps):
-          state, m = step(state, staged[(r + i) % 3])
-        losses.append(float(m["loss"]))
-        times.append((time.perf_counter() - t0) / steps)
-      assert all(np.isfinite(losses)), losses
-      trace = None
-      if profile:  # where a step's time goes (1 GPU: the same without comms)
-        from benchmarks import common
+  cfg = dataclasses.replace(base, mesh=MeshConfig(1, 1, n, strategy))
+  tr = Trainer.create(cfg, "/tmp/scaling-run", devices=jax.devices()[:n])
+  it = loader.Loader(
+    cfg.data, num_shards=n, split="train", process_index=0, process_count=1
+  )
+  host = [next(it) for _ in range(3)]
+  it.close()
+  staged = [tr.to_device(b) for b in host]
+  state = tr.init_state()
+  log(f"{n} GPU: model, state and 3 batches ready; compiling")
+  t0 = time.perf_counter()
+  step = tr.train_step.lower(state, staged[0]).compile()
+  compile_s = time.perf_counter() - t0
+  log(f"{n} GPU: compiled in {compile_s:.1f} s")
+  with _gpus_alone():
+    for i in range(3):  # warm-up
+      state, m = step(state, staged[i % 3])
+    jax.block_until_ready(m["loss"])
+    times, losses = [], []
+    for r in range(rounds):
+      t0 = time.perf_counter()
+      for i in range(steps):
+        state, m = step(state, staged[(r + i) % 3])
+      losses.append(float(m["loss"]))
+      times.append((time.perf_counter() - t0) / steps)
+    assert all(np.isfinite(losses)), losses
+    trace = None
+    if profile:  # where a step's time goes (1 GPU: the same without comms)
+      from benchmarks import common
 
-        log_dir = f"/tmp/scaling-trace/{os.getpid()}-{n}"
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-          for i in range(3):
-            state, m = step(state, staged[i % 3])
-          jax.block_until_ready(m["loss"])
-        trace = common.trace_summary(log_dir, steps=3)
-        for k, v in trace.items():
-          log(
-            f"{k}: collectives {v['collective_ms']:.2f} ms, other"
-            f" {v['other_ms']:.2f} ms per step; top "
-            + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms in v["top"][:6])
-          )
-    out.append(
-      {
-        "devices": n,
-        "step_s": statistics.median(times),
-        "step_s_all": times,
-        "compile_s": compile_s,
-        "requests_per_step": int(
-          sum((np.diff(b.cand_offsets, axis=-1) > 0).sum() for b in host) / 3
-        ),
-        "tokens_per_step": int(sum(b.offsets[:, -1].sum() for b in host) / 3),
-        "loss": losses[-1],
-        "attention": attention or "default",
-        "trace": trace,
-      }
-    )
-    log(f"{n} GPU: {out[-1]['step_s'] * 1e3:.2f} ms/step")
+      log_dir = f"/tmp/scaling-trace/{os.getpid()}-{n}"
+      with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for i in range(3):
+          state, m = step(state, staged[i % 3])
+        jax.block_until_ready(m["loss"])
+      trace = common.trace_summary(log_dir, steps=3)
+      for k, v in trace.items():
+        log(
+          f"{k}: collectives {v['collective_ms']:.2f} ms, other"
+          f" {v['other_ms']:.2f} ms per step; top "
+          + ", ".join(f"{kern[:40]} {ms:.2f}" for kern, ms in v["top"][:6])
+        )
+  out = {
+    "devices": n,
+    "step_s": statistics.median(times),
+    "step_s_all": times,
+    "compile_s": compile_s,
+    "requests_per_step": int(
+      sum((np.diff(b.cand_offsets, axis=-1) > 0).sum() for b in host) / 3
+    ),
+    "tokens_per_step": int(sum(b.offsets[:, -1].sum() for b in host) / 3),
+    "loss": losses[-1],
+    "attention": attention or "default",
+    "trace": trace,
+  }
+  log(f"{n} GPU: {out['step_s'] * 1e3:.2f} ms/step")
   print("RESULT " + json.dumps(out), flush=True)
 
 
-def _start(variant, devices, args):
+def _start(variant, gpus, args):
   """A worker process for `strategy[+setting]` ("" = the config's)."""
   strategy, _, setting = variant.partition("+")
   env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
@@ -202,8 +197,8 @@ def _start(variant, devices, args):
     sys.executable,
     os.path.abspath(__file__),
     "--worker",
-    "--devices",
-    ",".join(map(str, devices)),
+    "--gpus",
+    str(gpus),
     "--steps",
     str(args.steps),
     "--rounds",
@@ -216,7 +211,7 @@ def _start(variant, devices, args):
     strategy,
   ] + (["--profile"] if args.profile else [])
   print(
-    f"{variant or 'config'} on {devices} GPU(s): "
+    f"{variant or 'config'} on {gpus} GPU(s): "
     + " ".join(f"{k}={v}" for k, v in SETTINGS.get(setting, {}).items()),
     file=sys.stderr,
     flush=True,
@@ -236,11 +231,15 @@ def _finish(p, deadline):
   line = [x for x in out.splitlines() if x.startswith("RESULT ")]
   if p.returncode or not line:
     return None, f"exit {p.returncode} (see the worker's stderr above)"
-  return json.loads(line[0][len("RESULT ") :])[0], None
+  return json.loads(line[0][len("RESULT ") :]), None
 
 
 def _check_variant(v):
+  from sharding import rules
+
   strategy, _, setting = v.partition("+")
+  if strategy not in rules.STRATEGIES:
+    raise SystemExit(f"unknown strategy in {v!r}: {sorted(rules.STRATEGIES)}")
   if setting and setting not in SETTINGS:
     raise SystemExit(f"unknown setting {setting!r} in {v!r}: {list(SETTINGS)}")
   return v
@@ -249,7 +248,7 @@ def _check_variant(v):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--worker", action="store_true")
-  p.add_argument("--devices", default="1,2")
+  p.add_argument("--gpus", type=int, default=2, help="worker: GPUs")
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--attention", default="")
@@ -270,7 +269,7 @@ def main():
   args = p.parse_args()
   if args.worker:
     worker(
-      [int(d) for d in args.devices.split(",")],
+      args.gpus,
       args.steps,
       args.rounds,
       args.attention,
@@ -292,8 +291,8 @@ def main():
   notes = {}
 
   def run_all():
-    procs = {"1 GPU": _start("", [1], args)}
-    procs.update({v: _start(v, [2], args) for v in [own, *variants]})
+    procs = {"1 GPU": _start("", 1, args)}
+    procs.update({v: _start(v, 2, args) for v in [own, *variants]})
     return {v: _finish(proc, deadline) for v, proc in procs.items()}
 
   done = run_all()

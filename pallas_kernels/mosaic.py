@@ -16,10 +16,6 @@ import jax.numpy as jnp
 ALIGN = 8  # packed tiles start on multiples of 8 rows (tiled TMA)
 
 
-def cdiv(a, b):
-  return (a + b - 1) // b
-
-
 def pad_rows(x, multiple=ALIGN):
   """Mosaic's tiled TMA wants the packed row count a multiple of 8; buffers
   whose capacity is one (the usual case) pass through without a copy."""

@@ -4,9 +4,10 @@ It bundles a mesh and a strategy name (a rule table of `sharding.rules`)
 and offers the placement-aware operations the model cannot express with
 logical axes alone: sharded embedding lookups (`sharding.embedding`, G7),
 expert parallelism (`sharding.experts`, G6) and per-shard work for the
-Pallas kernels (`per_shard`). Dense layers need nothing
-here: their parameters carry shardings and XLA's SPMD partitioner inserts
-the FSDP all-gathers and reduce-scatters.
+Pallas kernels (`per_shard`). Dense parameters carry their stored shardings;
+`gather_dense` (under XLA's partitioner) and `per_shard` (in `shard_map`)
+all-gather them inside their FSDP group where they are used, so their
+gradients are reduce-scattered back inside the group.
 """
 
 import dataclasses
@@ -49,15 +50,14 @@ class Placement:
     pure dict parallel to `params`) marks: FP8 layers' weights, which the
     FP8 hook gathers in 8 bits (`fp8_hook`)."""
     full = NamedSharding(self.mesh, PartitionSpec())
-    if keep is None:
-      keep = jax.tree.map(lambda _: False, params)
 
     def one(axes, x, kept):
-      if kept or "table_rows" in axes or "experts" in axes:
+      if _stays_local(axes, kept):
         return x
       spec = rules.logical_to_spec(axes, x.shape, self.mesh, self.strategy)
       return _gather(x, full, NamedSharding(self.mesh, spec))
 
+    keep = _no_keep(params) if keep is None else keep
     return jax.tree.map(one, logical_axes, params, keep, is_leaf=rules._is_axes)
 
   def per_shard(self, fn, logical_axes, keep=None):
@@ -83,12 +83,12 @@ class Placement:
       return rules.logical_to_spec(axes, x.shape, mesh, strategy)
 
     def run(params, batch):
-      kept = keep or jax.tree.map(lambda _: False, params)
+      kept = _no_keep(params) if keep is None else keep
       specs = jax.tree.map(spec, logical_axes, params, is_leaf=rules._is_axes)
 
       def body(params_local, batch_local):
         def gather(axes, x, p_spec, k):
-          if k or "table_rows" in axes or "experts" in axes:
+          if _stays_local(axes, k):
             return x
           for dim, a in enumerate(p_spec):
             if a is not None:
@@ -123,6 +123,16 @@ class Placement:
 
   def run_experts(self, w_el, x_s, fns):
     return experts.run_experts(self.mesh, self.strategy, w_el, x_s, fns)
+
+
+def _stays_local(logical_axes, kept: bool) -> bool:
+  """Not gathered for use: tables and experts (their lookups and exchanges
+  place them) and weights the FP8 hook gathers in 8 bits (`kept`)."""
+  return kept or "table_rows" in logical_axes or "experts" in logical_axes
+
+
+def _no_keep(params):
+  return jax.tree.map(lambda _: False, params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

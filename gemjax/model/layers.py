@@ -63,9 +63,10 @@ def matmul(x, w, dtype):
   transpose of that hands both backward GEMMs the f32 cotangent, so they
   ran f32 x f32 (TF32 on the H200: 8.8 of a 37.8 ms `onetrans_v31` step;
   23.2 ms with this function).
-  Nor a `custom_vjp` that keeps `dw` in f32: under `vmap` over data shards
-  its backward sums per-shard `dw`s, which XLA's partitioner turns into an
-  all-reduce of the whole gradient instead of an FSDP reduce-scatter.
+  Nor a `custom_vjp` that keeps `dw` in f32: with it, the 16-device FSDP
+  step all-reduced one weight's whole gradient over every device instead of
+  reduce-scattering it in its group (`tests/sharding/test_meshes.py`
+  caught it).
   """
   return jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype))
 

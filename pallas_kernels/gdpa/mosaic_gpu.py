@@ -92,7 +92,6 @@ from jax import lax
 from pallas_kernels import mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
-ALIGN = mosaic.ALIGN
 SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per CTA
 
 # tanh(u) ~ u (c0 + c1 u^2 + c2 u^4) on |u| <= TANH_POLY_RANGE (module doc).
@@ -228,14 +227,14 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
   kv_off, q_off = jmg.seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
   kv_len_b = kv_off[1:] - kv_off[:-1]
-  q_lead_b = schedule.lead_rows(q_off[:-1], ALIGN)
-  kv_lead_b = schedule.lead_rows(kv_off[:-1], ALIGN)
-  n_q_b = jnp.where(q_len_b > 0, mosaic.cdiv(q_len_b + q_lead_b, block_q), 0)
+  q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
+  kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
+  n_q_b = jnp.where(q_len_b > 0, pl.cdiv(q_len_b + q_lead_b, block_q), 0)
   sched = schedule.jagged_tile_schedule(
     kv_offsets,
     s,
     block_kv,
-    align=ALIGN,
+    align=mosaic.ALIGN,
     cost=lambda seq, tile: n_q_b[seq] + 1,
   )
   seq, tile, valid = sched.seq_i, sched.tile_i, sched.valid_i

@@ -168,7 +168,7 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
   q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
   kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
   kv_total_b = jnp.where(
-    kv_len_b > 0, mosaic.cdiv(kv_len_b + kv_lead_b, block_kv), 0
+    kv_len_b > 0, pl.cdiv(kv_len_b + kv_lead_b, block_kv), 0
   )
 
   def geometry(seq, tile):
@@ -229,7 +229,7 @@ def key_items(
   kv_len_b = kv_off[1:] - kv_off[:-1]
   q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
   kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
-  n_q_b = jnp.where(q_len_b > 0, mosaic.cdiv(q_len_b + q_lead_b, block_q), 0)
+  n_q_b = jnp.where(q_len_b > 0, pl.cdiv(q_len_b + q_lead_b, block_q), 0)
 
   def geometry(seq, tile):
     kv_pos = tile * block_kv - kv_lead_b[seq]
@@ -241,9 +241,7 @@ def key_items(
       # First query tile holding a position >= this tile's first key; tiles
       # starting before its last key need the mask.
       first = jnp.clip((kv_pos + lo + lead) // block_q, 0, n_q)
-      masked_end = jnp.clip(
-        mosaic.cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q
-      )
+      masked_end = jnp.clip(pl.cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q)
       n_masked = jnp.maximum(masked_end - first, 0)
     else:
       first = jnp.zeros_like(tile)
@@ -290,7 +288,7 @@ def side_tiles(x_skh, kv_offsets, block_kv):
   kv_off = jnp.concatenate([kv_off, kv_off[-1:]])
   length = kv_off[1:] - kv_off[:-1]
   lead = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
-  total = jnp.maximum(mosaic.cdiv(length + lead, block_kv), 1)
+  total = jnp.maximum(pl.cdiv(length + lead, block_kv), 1)
   first_pos = jnp.stack([-lead, (total - 1) * block_kv - lead], axis=1)
   pos = first_pos[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)
   valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]

@@ -40,9 +40,9 @@ def rel_err(got, want):
   return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
-def assert_no_races(fn, *args):
-  """Run `fn(*args)` (kernels built with `interpret=RACE_PARAMS`) and fail
-  on any race the GPU interpreter's detector reports.
+def races(fn, *args) -> tuple[int, str]:
+  """Run `fn(*args)` (kernels built with `interpret=RACE_PARAMS`); the
+  races the GPU interpreter's detector reports, and its log.
 
   The detector's state is rebuilt for every kernel launch, so a flag read
   at the end would only cover the last kernel (the dK/dV one of a vjp);
@@ -51,5 +51,16 @@ def assert_no_races(fn, *args):
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
     jax.block_until_ready(fn(*args))
-  races = log.getvalue().count("RACE DETECTED")
-  assert races == 0, f"{races} races:\n{log.getvalue()[:4000]}"
+  return log.getvalue().count("RACE DETECTED"), log.getvalue()
+
+
+def assert_no_races(attn, q, k, v, do):
+  """`attn(q, k, v)` and its vjp with `do` (forward and backward kernels)
+  race-free under the detector."""
+
+  def fwd_bwd(q, k, v):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return o, vjp(do)
+
+  n, log = races(fwd_bwd, q, k, v)
+  assert n == 0, f"{n} races:\n{log[:4000]}"

@@ -32,10 +32,12 @@ def _spec(shape, dtype=BF16):
 OFFSETS = _spec((B + 1,), jnp.int32)
 
 
-def _lowers_for_cuda(fn, *args):
+def _lowers_for_cuda(fn, *args, kernels: int):
+  """`fn` lowers for CUDA with exactly `kernels` Mosaic GPU kernels in it
+  (a part that fell back to XLA would lower too, with fewer)."""
   exported = export.export(jax.jit(fn), platforms=["cuda"])(*args)
-  text = exported.mlir_module()
-  assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered module"
+  found = exported.mlir_module().count("custom_call @mosaic_gpu")
+  assert found == kernels, f"{found} Mosaic GPU kernels, want {kernels}"
 
 
 def _with_grads(f):
@@ -56,8 +58,8 @@ def test_jagged_attention(case, h):
   k = _spec((kv_rows, KH, h))
   f = lambda q, k, v, qo, ko: jagged_attention_mosaic(
     q, k, v, qo, ko, causal=case == "causal", interpret=False
-  )
-  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS)
+  )  # forward, dQ, dK/dV
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
 
 
 @pytest.mark.parametrize(
@@ -78,8 +80,8 @@ def test_gdpa(shape):
   q, k = _spec((q_rows, N, h)), _spec((kv_rows, KH, h))
   f = lambda q, k, v, qo, ko: gdpa_mosaic(
     q, k, v, qo, ko, interpret=False, **kw
-  )
-  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS)
+  )  # forward, dQ, dK/dV
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
 
 
 @pytest.mark.parametrize("h", [128, 64])
@@ -88,8 +90,8 @@ def test_block_attention(block, rope, h):
   q, k = _spec((B * L, N, h)), _spec((B * L, KH, h))
   f = lambda q, k, v, o: block_attention_mosaic(
     q, k, v, o, block=block, rope=rope, max_len=L, interpret=False
-  )
-  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS)
+  )  # forward, backward
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, kernels=2)
 
 
 @pytest.mark.parametrize("d", [512, 2048])
@@ -103,7 +105,7 @@ def test_rms_norm_with_residual(d):
 
     return jax.grad(loss, argnums=(0, 1, 2))(x, g, r)
 
-  _lowers_for_cuda(fwd_bwd, x, g, x)
+  _lowers_for_cuda(fwd_bwd, x, g, x, kernels=2)  # forward, backward
 
 
 @pytest.mark.parametrize("block,hadamard", [((32, 32), 32), ((1, 128), None)])
@@ -111,7 +113,7 @@ def test_fp8_quantize(block, hadamard):
   f = lambda x: quantize_mgpu.quantize_mgpu(
     x, block=block, hadamard=hadamard, interpret=False
   )
-  _lowers_for_cuda(f, _spec((16384, 4096)))
+  _lowers_for_cuda(f, _spec((16384, 4096)), kernels=1)
 
 
 @pytest.mark.parametrize("kb", [32, 128])
@@ -127,4 +129,5 @@ def test_fp8_matmul(kb):
     _spec((k // kb, m), jnp.float32),
     _spec((n, k), f8),
     _spec((k // kb, n), jnp.float32),
+    kernels=1,
   )

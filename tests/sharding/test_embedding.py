@@ -142,9 +142,8 @@ def test_loop_only_where_one_pass_may_not_do(mesh_shape):
   device's rows take one pass and the step has no loop (a host round trip
   per lookup on the GPU). 8 devices: k = m / 8 and the loop stays."""
   mesh, _, text = _run(mesh_shape, "fsdp", 1.0, True, seed=3)
-  rng = np.random.default_rng(3)
-  rng.normal(size=(V, E))  # drawn as in _run: the same skewed ids
-  seq, _, cand = _ids(rng, skew=True)
+  # Any skewed ids (all in the first device's rows) show the pass counts.
+  seq, _, cand = _ids(np.random.default_rng(3), skew=True)
   passes = embedding.plan_passes([seq, cand], V, mesh=mesh, strategy="fsdp")
   if mesh.size == 2:
     assert passes == 1 and " while(" not in text
