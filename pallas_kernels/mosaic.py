@@ -120,3 +120,18 @@ SWIZZLE = plgpu.SwizzleTransform(128)
 
 def smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=(TILING, SWIZZLE))
+
+
+def smem_swizzled(shape, dtype):
+  """Row-major shared memory with the 128-byte swizzle and no tiling, for
+  `[..., 64]` 16-bit tiles (one swizzle atom per row).
+
+  Unlike `smem_tile`, TMA fills it from any packed row (tiling makes Mosaic
+  split the row index by 8), and unlike plain memory, the wgmma-layout
+  register loads and stores of a warp hit 32 distinct banks: a warp touches
+  8 rows at the same columns, which in plain memory (128-byte rows) are one
+  bank quartet, an 8-way conflict. Row windows must start on multiples of 8
+  rows (the swizzle repeats every 1,024 bytes), so partial-tile stores of
+  any row count still need plain memory (`ladder_store`).
+  """
+  return plgpu.SMEM(shape, dtype, transforms=(SWIZZLE,))

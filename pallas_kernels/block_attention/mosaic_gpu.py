@@ -24,12 +24,18 @@ the epilogue on the f32 accumulators, before the one store of dQ and dK.
 Sequence-aligned tiles without a copy. A block starts at a sequence's first
 token, which sits at any packed row, while Mosaic's TMA into the swizzled,
 (8, 64)-tiled shared memory that wgmma reads needs rows that are multiples
-of 8. So tiles are loaded with TMA into plain (row-major) shared memory,
-which takes any row, and the consumer warpgroups move them through
-registers into the tiled layout. That pass is where RoPE is applied to Q and
-K (rotation of the two halves, `cos`/`sin` rows of the tile's positions read
-from a small f32 table) and where the zero-fill happens, so it costs no
-extra trip: only V (and dO) move without other work.
+of 8. So tiles are loaded with TMA into swizzled row-major shared memory
+without the tiling (`mosaic.smem_swizzled`), which takes any row, and the
+consumer warpgroups read them into registers (free of bank conflicts, which
+plain row-major memory would have 8-way). K and V go on into the tiled
+layout; Q stays in registers as wgmma's A operand, so its ring slot is
+free again before any math. That pass is where RoPE is applied to Q and K
+(rotation of the two halves, `cos`/`sin` rows of the tile's positions from
+a small table, two f16 terms per value, see `rope_table`) and where the
+zero-fill happens, so it costs no extra trip: only V (and dO) move without
+other work. Outputs leave the same way back: a whole tile through a
+swizzled buffer, a sequence's last partial tile through a plain one (the
+ladder of TMA stores starts rows anywhere; `_store_tile`).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -58,7 +64,8 @@ one more sequence) is dealt zig-zag over `w` CTAs per KV head (tiles of one
 block attention are equal work). Each CTA walks its tiles; a producer
 warpgroup streams each tile's K, V, RoPE rows and the query tiles of the
 `g` query heads, and since every buffer is released as soon as its
-relayout is done, the next tile's loads overlap the current tile's math.
+relayout (or load into registers) is done, the next tile's loads overlap
+the current tile's math.
 Forward: two consumer warpgroups split the query heads (and the K / V
 relayout). Backward: one consumer warpgroup walks the `g` heads and keeps
 dK and dV in registers (the GQA reduction stays in the kernel, O7).
@@ -74,6 +81,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import mosaic, schedule
@@ -87,10 +95,17 @@ _L = plgpu.Layout.WGMMA
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Settings; defaults chosen for H200 (not yet tuned on the device)."""
+  """Settings; defaults measured on the H200.
+
+  `q_stages`: query tiles in flight per forward consumer. A slot is free
+  again as soon as its tile is in registers, so one suffices: on the H200
+  (2,048-long and log-normal batches, head dim 128, RoPE) one slot ran the
+  forward kernel in 0.135 / 0.087 ms and two in 0.159 / 0.095 ms (two fill
+  224 of the 227 KiB of shared memory).
+  """
 
   num_sms: int = 132  # H200; persistent CTAs = about this many
-  q_stages: int = 2  # forward: query tiles in flight per consumer
+  q_stages: int = 1
 
   def __post_init__(self):
     if self.num_sms < 1 or self.q_stages < 1:
@@ -129,21 +144,37 @@ def work_items(offsets, t: int):
 
 
 def rope_table(max_len: int, h: int, theta: float):
-  """`f32[2, rows, h/2]` cos and sin of positions `0..rows)`, rows a
-  multiple of 64 (the kernels read one 64-row slice per tile)."""
+  """`f16[4, rows, h/2]`: cos and sin of positions `0..rows)`, each as two
+  f16 terms (`cos = [0] + [1]`, `sin = [2] + [3]`), rows a multiple of 64
+  (the kernels read one 64-row slice per tile).
+
+  Why two f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte rows,
+  one swizzle atom, so it loads into registers without bank conflicts
+  (`mosaic.smem_swizzled`); f32 planes (256-byte rows) cannot. The pair
+  keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). Built with numpy at
+  trace time: a constant, no trigonometry per call.
+  """
   rows = -(-max(max_len, 1) // TILE) * TILE
-  freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
-  ang = jnp.arange(rows, dtype=jnp.float32)[:, None] * freq
-  return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
+  freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
+  ang = np.arange(rows, dtype=np.float64)[:, None] * freq
+  planes = []
+  for f in (np.cos, np.sin):
+    exact = f(ang)
+    hi = exact.astype(np.float16)
+    planes += [hi, (exact - hi.astype(np.float64)).astype(np.float16)]
+  return jnp.asarray(np.stack(planes))
+
+
+_CS_BYTES = 4 * TILE * TILE * 2  # one tile's RoPE rows: 4 f16 [64, h/2]
 
 
 def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
   return (
     4 * tile  # K, V raw and tiled
-    + (2 * TILE * (h // 2) * 4 if rope else 0)  # cos, sin
-    + nwg * stages * tile  # raw query ring (also the output staging)
-    + nwg * tile  # tiled query
+    + (_CS_BYTES if rope else 0)
+    + nwg * stages * tile  # query ring
+    + 2 * nwg * tile  # output staging: swizzled (full) and plain (partial)
     + 1024
   )
 
@@ -152,10 +183,10 @@ def _bwd_smem(h, rope, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
   return (
     4 * tile  # K, V raw and tiled
-    + (2 * TILE * (h // 2) * 4 if rope else 0)
+    + (_CS_BYTES if rope else 0)
     + 4 * tile  # Q, dO raw and tiled
     + 2 * TILE * TILE * dtype_bytes  # P, dX
-    + tile  # output staging
+    + 2 * tile  # output staging: swizzled (full) and plain (partial)
     + 1024
   )
 
@@ -186,17 +217,28 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), _L)
 
 
-def _relayout(raw, dst, *, cs=None, keep_rows=None):
-  """Plain `[parts * 64, 64]` -> tiled `dst` (same shape), rotating the two
-  halves by RoPE (`cs`: `[2, 64, h/2]` cos/sin) and zeroing rows
-  `>= keep_rows` (None: keep all)."""
+def _cos_sin(cs):
+  """f32 cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`)."""
+  f32 = [plgpu.load(cs.at[i], layout=_L).astype(jnp.float32) for i in range(4)]
+  return f32[0] + f32[1], f32[2] + f32[3]
+
+
+def _load_parts(raw, cs=None):
+  """The parts of a swizzled `[parts * 64, 64]` tile in registers, rotated
+  by RoPE (`cs`: the tile's table rows; then f32) if given."""
   xs = [plgpu.load(_part(raw, p), layout=_L) for p in range(_parts(raw))]
-  if cs is not None:  # two parts: the halves RoPE pairs
-    x1, x2 = (x.astype(jnp.float32) for x in xs)
-    cos = plgpu.load(cs.at[0], layout=_L)
-    sin = plgpu.load(cs.at[1], layout=_L)
-    xs = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-  for p, x in enumerate(xs):
+  if cs is None:
+    return xs
+  x1, x2 = (x.astype(jnp.float32) for x in xs)  # the halves RoPE pairs
+  cos, sin = _cos_sin(cs)
+  return [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+
+
+def _relayout(raw, dst, *, cs=None, keep_rows=None):
+  """Swizzled row-major `[parts * 64, 64]` -> tiled `dst` (same shape),
+  rotating the two halves by RoPE (`cs`) and zeroing rows `>= keep_rows`
+  (None: keep all)."""
+  for p, x in enumerate(_load_parts(raw, cs)):
     if keep_rows is not None:
       x = mosaic.select(mosaic.iota(x.shape, 0) < keep_rows, x, 0)
     _part(dst, p)[...] = x.astype(dst.dtype)
@@ -218,7 +260,7 @@ def _cols(p, parts, h):
 
 
 def _load_tile(src_ref, rows, head, dst, barrier):
-  """TMA one `[64, h]` tile into the parts of plain `dst` (one arrival on
+  """TMA one `[64, h]` tile into the parts of `dst` (one arrival on
   `barrier` per part)."""
   parts, h = _parts(dst), src_ref.shape[-1]
   for p in range(parts):
@@ -229,8 +271,7 @@ def _load_tile(src_ref, rows, head, dst, barrier):
 
 def _unrope(a, b, cs):
   """RoPE backward on the two f32 halves of a gradient: rotate by -angle."""
-  cos = plgpu.load(cs.at[0], layout=_L)
-  sin = plgpu.load(cs.at[1], layout=_L)
+  cos, sin = _cos_sin(cs)
   return a * cos + b * sin, b * cos - a * sin
 
 
@@ -269,12 +310,11 @@ def _probs(x, valid, static):
   return p * lax.broadcast_in_dim(inv, p.shape, [0])
 
 
-def _load_kv(j, rows, pos0, kv_head, refs, buffers):
-  """The producer's per-tile loads, both kernels: K and V of tile `j` into
-  the raw buffers once the consumers released the previous tile's, and the
-  RoPE rows of its positions (`pos0...`) once the table is free."""
-  k_ref, v_ref, cs_ref = refs
-  k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free = buffers
+def _load_kv(j, rows, kv_head, refs, buffers):
+  """The producer's K and V loads of tile `j` into the raw buffers, once
+  the consumers released the previous tile's (both kernels)."""
+  k_ref, v_ref = refs
+  k_raw, v_raw, kv_bar, raw_free = buffers
 
   @pl.when(j > 0)
   def _():
@@ -282,13 +322,16 @@ def _load_kv(j, rows, pos0, kv_head, refs, buffers):
 
   _load_tile(k_ref, rows, kv_head, k_raw, kv_bar)
   _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
-  if cs_ref is not None:
 
-    @pl.when(j > 0)
-    def _():
-      plgpu.barrier_wait(cs_free)
 
-    plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+def _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free):
+  """The RoPE rows of positions `pos0...` once the table buffer is free."""
+
+  @pl.when(j > 0)
+  def _():
+    plgpu.barrier_wait(cs_free)
+
+  plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
 
 
 def _store_rows(src, dst_ref, row, head, count):
@@ -306,12 +349,56 @@ def _store_rows(src, dst_ref, row, head, count):
     )
 
 
+def _store_tile(xs, swizzled, plain, dst_ref, row, head, count):
+  """Register parts `xs` (dtype of the buffers) to packed rows
+  `[row, row + count)` of `head`, after the previous store read its
+  buffer. A whole tile goes through `swizzled` (conflict-free stores, one
+  TMA per part); a partial one through `plain`, whose rows the ladder of
+  TMA stores can start anywhere (`mosaic.smem_swizzled`)."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  parts, h = len(xs), dst_ref.shape[-1]
+
+  @pl.when(count == TILE)
+  def _():
+    for p, x in enumerate(xs):
+      _part(swizzled, p)[...] = x
+    plgpu.commit_smem()
+    for p in range(parts):
+      plgpu.copy_smem_to_gmem(
+        _part(swizzled, p),
+        dst_ref.at[pl.ds(row, TILE), head, _cols(p, parts, h)],
+      )
+
+  @pl.when(count < TILE)
+  def _():
+    for p, x in enumerate(xs):
+      _part(plain, p)[...] = x
+    plgpu.commit_smem()
+    _store_rows(plain, dst_ref, row, head, count)
+
+
 def _scores(q_t, k_t):
   """`Q K^T` `[64, 64]` f32: one accumulator, a wgmma per column part."""
 
   def scoped(acc_ref):
     for p in range(_parts(q_t)):
       plgpu.wgmma(acc_ref, _part(q_t, p), _part(k_t, p).transpose((1, 0)))
+    return acc_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
+
+
+def _scores_regs(qs, k_t, static):
+  """`Q K^T` with the query parts `qs` in registers (wgmma's A operand)."""
+  if static.interpret is not None:  # see `mosaic.accumulate`
+    return sum(
+      jnp.dot(q, _part(k_t, p)[...].T, preferred_element_type=jnp.float32)
+      for p, q in enumerate(qs)
+    )
+
+  def scoped(acc_ref):
+    for p, q in enumerate(qs):
+      plgpu.wgmma(acc_ref, q, _part(k_t, p).transpose((1, 0)))
     return acc_ref[...]
 
   return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
@@ -343,7 +430,8 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     kh, static.block_sizes.num_sms, num_items
   )
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
-  jobs = [len(_heads_of(wg, group, nwg)) for wg in range(nwg)]
+  heads_of = [_heads_of(wg, group, nwg) for wg in range(nwg)]
+  jobs = [len(heads) for heads in heads_of]
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, *rest):
     if rope:
@@ -351,8 +439,8 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     else:
       o_ref, *scratch = rest
       cs_ref = None
-    (k_raw, v_raw, k_t, v_t, q_raw, q_t, csm) = scratch[:7]
-    (kv_bar, cs_bar, raw_free, cs_free, q_bar, q_free, sync) = scratch[7:]
+    (k_raw, v_raw, k_t, v_t, q_raw, o_sw, o_pl, csm) = scratch[:8]
+    (kv_bar, cs_bar, raw_free, cs_free, q_bar, q_free, sync) = scratch[8:]
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -361,6 +449,13 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     def item(j):
       it = deal_ref[w, j]
       return [items_ref[it, f] for f in range(4)]
+
+    def q_slot(wg_i, j, jj):
+      """Ring slot (and its barrier index) of warpgroup `wg_i`'s `jj`-th
+      query head of tile `j`; `cnt` counts that warpgroup's queries."""
+      cnt = j * jobs[wg_i] + jj
+      slot = lax.rem(cnt, stages)
+      return cnt, slot, wg_i * stages + slot
 
     @pl.when(wg < nwg)
     def _consumer():
@@ -372,7 +467,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           plgpu.barrier_wait(sync.at[i])
 
       def run(wg_i):
-        heads = _heads_of(wg_i, group, nwg)
+        heads = heads_of[wg_i]
 
         def body(j, _):
           row, valid, _, tail = item(j)
@@ -385,37 +480,42 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
             _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
           if wg_i == nwg - 1:
             _relayout(v_raw, v_t, keep_rows=valid)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(raw_free)
+          mosaic.release(raw_free)
           sync_wgs(0)  # both tiled K and V are in place
           for jj, g in enumerate(heads):
-            cnt = j * jobs[wg_i] + jj
-            slot = lax.rem(cnt, stages)
-            qb = wg_i * stages + slot
-            raw = q_raw.at[wg_i, slot]
+            _, slot, qb = q_slot(wg_i, j, jj)
             plgpu.barrier_wait(q_bar.at[qb])
             if rope and wg_i != 0 and jj == 0:
               plgpu.barrier_wait(cs_bar)
-            _relayout(raw, q_t.at[wg_i], cs=csm if rope else None)
-            plgpu.commit_smem()
+            # Q straight into registers (wgmma's A operand): its slot is
+            # free for the next load before any math on it.
+            qs = _load_parts(q_raw.at[wg_i, slot], csm if rope else None)
+            qs = [x.astype(dtype) for x in qs]
+            mosaic.release(q_free.at[qb])
             if rope and jj == len(heads) - 1:
-              plgpu.barrier_arrive(cs_free)  # last use of this tile's RoPE
-            x = _scores(q_t.at[wg_i], k_t)
+              mosaic.release(cs_free)  # last use of this tile's RoPE rows
+            x = _scores_regs(qs, k_t, static)
             p = _probs(x * c, valid, static).astype(dtype)
-            for part in range(parts):
-              o = mosaic.accumulate(
+            os = [
+              mosaic.accumulate(
                 _zeros((TILE, hp)), p, _part(v_t, part), static.interpret
               )
-              # Raw Q is no longer needed: it stages the output.
-              _part(raw, part)[...] = (o * keep).astype(dtype)
-            plgpu.commit_smem()
-            _store_rows(raw, o_ref, row, kv_head * group + g, valid)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.barrier_arrive(q_free.at[qb])
+              for part in range(parts)
+            ]
+            _store_tile(
+              [(o * keep).astype(dtype) for o in os],
+              o_sw.at[wg_i],
+              o_pl.at[wg_i],
+              o_ref,
+              row,
+              kv_head * group + g,
+              valid,
+            )
           sync_wgs(1)  # both done with the tiled K and V
           return 0
 
         lax.fori_loop(0, n_steps, body, 0)
+        plgpu.wait_smem_to_gmem(0)
 
       for wg_i in range(nwg):
         pl.when(wg == wg_i)(lambda wg_i=wg_i: run(wg_i))
@@ -423,29 +523,31 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     @pl.when(wg == nwg)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      buffers = (k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free)
+      kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
+
+      def load_q(j, rows, wg_i, jj):
+        cnt, slot, qb = q_slot(wg_i, j, jj)
+
+        @pl.when(cnt >= stages)
+        def _():
+          plgpu.barrier_wait(q_free.at[qb])
+
+        head = kv_head * group + heads_of[wg_i][jj]
+        _load_tile(q_ref, rows, head, q_raw.at[wg_i, slot], q_bar.at[qb])
 
       def body(j, _):
         row, _, pos0, _ = item(j)
         rows = pl.ds(row, TILE)
-        _load_kv(j, rows, pos0, kv_head, (k_ref, v_ref, cs_ref), buffers)
+        _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
+        # Each warpgroup's first query, then the RoPE rows (free once the
+        # previous tile's last queries are rotated), then the rest.
         for wg_i in range(nwg):
-          for jj, g in enumerate(_heads_of(wg_i, group, nwg)):
-            cnt = j * jobs[wg_i] + jj
-            slot = lax.rem(cnt, stages)
-            qb = wg_i * stages + slot
-
-            @pl.when(cnt >= stages)
-            def _(qb=qb):
-              plgpu.barrier_wait(q_free.at[qb])
-
-            _load_tile(
-              q_ref,
-              rows,
-              kv_head * group + g,
-              q_raw.at[wg_i, slot],
-              q_bar.at[qb],
-            )
+          load_q(j, rows, wg_i, 0)
+        if rope:
+          _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free)
+        for wg_i in range(nwg):
+          for jj in range(1, jobs[wg_i]):
+            load_q(j, rows, wg_i, jj)
         return 0
 
       lax.fori_loop(0, n_steps, body, 0)
@@ -464,16 +566,17 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         def _(cnt, wg_i=wg_i):
           plgpu.barrier_wait(q_free.at[wg_i * stages + lax.rem(cnt, stages)])
 
-  tiled = mosaic.smem_tile
+  swizzled, tiled, plain = mosaic.smem_swizzled, mosaic.smem_tile, plgpu.SMEM
   tile = (parts * TILE, hp)
   scratch = [
-    plgpu.SMEM(tile, dtype),
-    plgpu.SMEM(tile, dtype),
+    swizzled(tile, dtype),
+    swizzled(tile, dtype),
     tiled(tile, dtype),
     tiled(tile, dtype),
-    plgpu.SMEM((nwg, stages, *tile), dtype),
-    tiled((nwg, *tile), dtype),
-    plgpu.SMEM((2, TILE, h // 2), jnp.float32) if rope else None,
+    swizzled((nwg, stages, *tile), dtype),
+    swizzled((nwg, *tile), dtype),
+    plain((nwg, *tile), dtype),
+    swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,
     plgpu.Barrier(num_arrivals=nwg),
@@ -550,8 +653,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       dq_ref, dk_ref, dv_ref, *scratch = rest
       cs_ref = None
     (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
-    (p_s, ds_s, stage, csm) = scratch[8:12]
-    (kv_bar, cs_bar, raw_free, cs_free, qd_bar, qd_free) = scratch[12:]
+    (p_s, ds_s, stage_sw, stage_pl, csm) = scratch[8:13]
+    (kv_bar, cs_bar, raw_free, cs_free, qd_bar, qd_free) = scratch[13:]
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -566,13 +669,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       plgpu.set_max_registers(240, action="increase")
 
       def stage_out(xs, dst_ref, row, head, count):
-        """f32 parts -> staging buffer -> packed rows (after the previous
-        store has read the buffer)."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for p, x in enumerate(xs):
-          _part(stage, p)[...] = x.astype(dtype)
-        plgpu.commit_smem()
-        _store_rows(stage, dst_ref, row, head, count)
+        """f32 parts -> packed rows (see `_store_tile`)."""
+        xs = [x.astype(dtype) for x in xs]
+        _store_tile(xs, stage_sw, stage_pl, dst_ref, row, head, count)
 
       def body(j, _):
         row, valid, _, tail = item(j)
@@ -635,7 +734,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     @pl.when(wg == 1)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      buffers = (k_raw, v_raw, csm, kv_bar, cs_bar, raw_free, cs_free)
+      kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
 
       def load_qd(rows, cnt, g):
         @pl.when(cnt >= 1)
@@ -649,7 +748,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       def body(j, _):
         row, _, pos0, _ = item(j)
         rows = pl.ds(row, TILE)
-        _load_kv(j, rows, pos0, kv_head, (k_ref, v_ref, cs_ref), buffers)
+        _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
+        if rope:
+          _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free)
         load_qd(rows, j * group, 0)
 
         @pl.loop(1, group)
@@ -667,22 +768,22 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         if rope:
           plgpu.barrier_wait(cs_free)
 
-  tiled = mosaic.smem_tile
-  plain = plgpu.SMEM
+  swizzled, tiled, plain = mosaic.smem_swizzled, mosaic.smem_tile, plgpu.SMEM
   tile = (parts * TILE, hp)
   scratch = [
-    plain(tile, dtype),
-    plain(tile, dtype),
+    swizzled(tile, dtype),
+    swizzled(tile, dtype),
     tiled(tile, dtype),
     tiled(tile, dtype),
-    plain(tile, dtype),
-    plain(tile, dtype),
+    swizzled(tile, dtype),
+    swizzled(tile, dtype),
     tiled(tile, dtype),
     tiled(tile, dtype),
     tiled((TILE, TILE), dtype),
     tiled((TILE, TILE), dtype),
+    swizzled(tile, dtype),
     plain(tile, dtype),
-    plain((2, TILE, h // 2), jnp.float32) if rope else None,
+    swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,
     plgpu.Barrier(),
