@@ -132,12 +132,13 @@ def jagged_tile_schedule(
   )
   j = jnp.arange(num_items, dtype=jnp.int32)
   if cost is None:
-    work = jnp.ones_like(j)
+    # Equal work: the list is already in order (real items are a prefix).
+    order = j
   else:
     work = cost(seq, tile).astype(jnp.int32)
-  # Padding items go last; ties keep sequence order (stable sort).
-  key = jnp.where(valid, -work, jnp.iinfo(jnp.int32).max)
-  order = jnp.argsort(key, stable=True)
+    # Padding items go last; ties keep sequence order (stable sort).
+    key = jnp.where(valid, -work, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, stable=True)
   return TileSchedule(
     seq_i=seq[order],
     tile_i=tile[order],
