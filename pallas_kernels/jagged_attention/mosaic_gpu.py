@@ -114,7 +114,8 @@ class BlockSizes:
 
   block_q: int = 64  # query rows per consumer warpgroup (all kernels)
   block_kv: int = 128  # key rows per step, forward
-  block_kv_dq: int = 64  # key rows per step, dQ kernel
+  block_kv_dq: int = 64  # key rows per step, dQ kernel (when = block_kv
+  # the backward reuses the forward's work list and side tiles)
   block_kv_dkv: int = 64  # key rows per consumer warpgroup, dK/dV kernel
   max_concurrent_steps: int = 2  # ring depth of the producer
 
@@ -128,7 +129,11 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    del head_dim
+    """Head dim 64: the dQ kernel steps over 128 keys like the forward and
+    shares its work list. At 128 its 128-key ring does not fit beside the
+    O/dQ, delta and row-reduction buffers (233.6 KB > 227 KB)."""
+    if head_dim <= 64:
+      return BlockSizes(block_kv_dq=128)
     return BlockSizes()
 
 
@@ -294,21 +299,6 @@ def side_tiles(x_skh, kv_offsets, block_kv):
   valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]
   idx = jnp.where(valid, kv_off[:-1, None, None] + pos, 0)
   return jnp.where(valid[..., None, None], x_skh[idx], 0).astype(x_skh.dtype)
-
-
-def tile_rows(q_offsets, t, block_q, num_items):
-  """Packed row of every slot of the tile-padded `[i * 64]` layout, and
-  whether it holds a real query row."""
-  q_off = schedule.extend_offsets(q_offsets, t)
-  seq, tile, valid, _ = schedule.enumerate_tiles(
-    q_off, block_q, mosaic.ALIGN, num_items
-  )
-  length = q_off[1:] - q_off[:-1]
-  lead = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
-  pos = (tile * block_q - lead[seq])[:, None] + jnp.arange(block_q)
-  ok = valid[:, None] & (pos >= 0) & (pos < length[seq][:, None])
-  rows = jnp.where(ok, q_off[seq][:, None] + pos, 0)
-  return rows.reshape(-1), ok.reshape(-1)
 
 
 # --------------------------------------------------------------------------
@@ -584,9 +574,17 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
 
 def backward_dq(
-  q_tnh, k_skh, v_skh, k_side, v_side, do_tnh, lse, delta, items, static
+  q_tnh, k_skh, v_skh, k_side, v_side, o_tnh, do_tnh, lse, items, static
 ):
-  """dQ `[t, n, h]`; same items and head pairing as the forward."""
+  """(dQ `[t, n, h]`, delta `f32[n, i * 64]`); the forward's item layout.
+
+  `delta = rowsum(O * dO)` is formed here from the O and dO tiles before
+  the key loop and written out, tile-padded like `lse`, for the dK/dV
+  kernel: no separate pass over O and dO. The O tile arrives in the plain
+  buffer that later stages dQ (same shape and dtype), so it costs no shared
+  memory. Its rows outside the sequence hold other rows' sums (finite);
+  every consumer multiplies them by `P = 0`.
+  """
   t, n, h = q_tnh.shape
   _, kh, _ = k_skh.shape
   dtype = q_tnh.dtype
@@ -605,13 +603,15 @@ def backward_dq(
     v_ref,
     ks_ref,
     vs_ref,
+    o_ref,
     do_ref,
     lse_ref,
-    delta_ref,
     dq_ref,
+    delta_ref,
     *scratch,
   ):
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem) = scratch[:6]
+    # Plain buffer: the O tile before the key loop, dQ's staging after it.
     out_smem2 = scratch[6]
     (in_bar, k_bar, v_bar, k_free, v_free) = scratch[7:]
     it = lax.axis_index("items")
@@ -629,6 +629,7 @@ def backward_dq(
         head = hp * hpc + wg
         q_smem = q_smem2.at[wg]
         do_smem = do_smem2.at[wg]
+        out_smem = out_smem2.at[wg]
         lse_smem = lse_smem2.at[wg]
         delta_smem = delta_smem2.at[wg]
         bar = in_bar.at[wg]
@@ -636,11 +637,17 @@ def backward_dq(
         pad = pl.ds(tile_id * bq, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar)
         plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
+        plgpu.copy_gmem_to_smem(o_ref.at[rows, head], out_smem, bar)
         plgpu.copy_gmem_to_smem(lse_ref.at[head, pad], lse_smem, bar)
-        plgpu.copy_gmem_to_smem(delta_ref.at[head, pad], delta_smem, bar)
         plgpu.barrier_wait(bar)
         lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        wgmma = plgpu.Layout.WGMMA
+        o_tile = plgpu.load(out_smem, layout=wgmma).astype(jnp.float32)
+        do_tile = plgpu.load(do_smem, layout=wgmma).astype(jnp.float32)
+        delta = (o_tile * do_tile).sum(axis=1)
+        delta_smem[...] = delta
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(delta_smem, delta_ref.at[head, pad])
         dq = plgpu.layout_cast(
           jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
         )
@@ -682,7 +689,6 @@ def backward_dq(
           )
         # dQ leaves through a plain (unswizzled) buffer that the ladder store
         # can slice at any row.
-        out_smem = out_smem2.at[wg]
         out_smem[...] = (dq * static.scale).astype(dtype)
         plgpu.commit_smem()
         mosaic.ladder_store(
@@ -727,7 +733,10 @@ def backward_dq(
   ]
   return plgpu.kernel(
     kernel,
-    out_type=jax.ShapeDtypeStruct((t, n, h), dtype),
+    out_type=[
+      jax.ShapeDtypeStruct((t, n, h), dtype),
+      jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
+    ],
     scratch_types=scratch,
     grid=(n // hpc, num_items),
     grid_names=("heads", "items"),
@@ -735,7 +744,7 @@ def backward_dq(
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
-  )(items, q_tnh, k_skh, v_skh, k_side, v_side, do_tnh, lse, delta)
+  )(items, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh, do_tnh, lse)
 
 
 # --------------------------------------------------------------------------

@@ -22,15 +22,6 @@ from pallas_kernels.jagged_attention.reference import (
 BlockSizes = mg.BlockSizes
 
 
-def _delta_tile_padded(o_tnh, do_tnh, q_offsets, block_q, num_items):
-  """`rowsum(O * dO)` in the forward's tile-padded layout `f32[n, i * 64]`."""
-  rows, ok = mg.tile_rows(q_offsets, o_tnh.shape[0], block_q, num_items)
-  delta_tn = jnp.einsum(
-    "tnh,tnh->tn", o_tnh.astype(jnp.float32), do_tnh.astype(jnp.float32)
-  )
-  return jnp.where(ok[:, None], delta_tn[rows], 0.0).T  # [n, i * 64]
-
-
 def _fwd(static, q, k, v, q_off, kv_off):
   bs = static.block_sizes
   res_qkv = (q, k, v)
@@ -47,7 +38,11 @@ def _fwd(static, q, k, v, q_off, kv_off):
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
-  return o[:t], (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b)
+  fwd_tables = (items, k_side, v_side)  # the dQ kernel's too, same block_kv
+  if bs.block_kv_dq != bs.block_kv:
+    fwd_tables = None
+  res = (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b, fwd_tables)
+  return o[:t], res
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -56,7 +51,7 @@ def _attention(static, q, k, v, q_off, kv_off):
 
 
 def _bwd(static, res, do):
-  q, k, v, o, lse, q_off, kv_off, tile_start_b = res
+  q, k, v, o, lse, q_off, kv_off, tile_start_b, fwd_tables = res
   bs = static.block_sizes
   t_in, s_in = q.shape[0], k.shape[0]
   q, k, v, do = (
@@ -66,19 +61,22 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   t, s = q.shape[0], k.shape[0]
-  num_items = lse.shape[1] // bs.block_q
-  delta = _delta_tile_padded(o, do, q_off, bs.block_q, num_items)
-  items_q, _ = mg.query_items(
-    q_off,
-    kv_off,
-    t,
-    block_q=bs.block_q,
-    block_kv=bs.block_kv_dq,
-    causal=static.causal,
+  if fwd_tables is None:  # a dQ key block other than the forward's
+    items_q, _ = mg.query_items(
+      q_off,
+      kv_off,
+      t,
+      block_q=bs.block_q,
+      block_kv=bs.block_kv_dq,
+      causal=static.causal,
+    )
+    k_side = mg.side_tiles(k, kv_off, bs.block_kv_dq)
+    v_side = mg.side_tiles(v, kv_off, bs.block_kv_dq)
+  else:
+    items_q, k_side, v_side = fwd_tables
+  dq, delta = mg.backward_dq(
+    q, k, v, k_side, v_side, o, do, lse, items_q, static
   )
-  k_side = mg.side_tiles(k, kv_off, bs.block_kv_dq)
-  v_side = mg.side_tiles(v, kv_off, bs.block_kv_dq)
-  dq = mg.backward_dq(q, k, v, k_side, v_side, do, lse, delta, items_q, static)
   items_kv = mg.key_items(
     q_off,
     kv_off,

@@ -26,7 +26,7 @@ from pallas_kernels.jagged_attention.reference import (
 from tests.pallas_kernels import attention_cases as cases
 
 
-def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal):
+def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal, **kw):
   max_len_q = max(int(np.diff(q_off).max()), 1)
   max_len_kv = max(int(np.diff(kv_off).max()), 1)
 
@@ -40,19 +40,26 @@ def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal):
       causal=causal,
       max_len_q=max_len_q,
       max_len_kv=max_len_kv,
+      **kw,
     )
 
   o, vjp = jax.vjp(f, q, k, v)
   return [np.asarray(x, np.float32) for x in (o, *vjp(do))]
 
 
-def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed):
+def _check_case(
+  q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed, block_sizes=None
+):
   q_off = cases.offsets(q_lens)
   kv_off = q_off if kv_lens is None else cases.offsets(kv_lens)
   t = int(q_off[-1]) + tail
   s = int(kv_off[-1]) + tail
   q, k, v, do = cases.inputs(seed, t, s, n, kh, h, dtype)
-  got = _fwd_bwd(jagged_attention_mosaic, q, k, v, do, q_off, kv_off, causal)
+  got = _fwd_bwd(
+    jagged_attention_mosaic,
+    *(q, k, v, do, q_off, kv_off, causal),
+    block_sizes=block_sizes,
+  )
   with jax.default_matmul_precision("highest"):  # no TF32 in the oracle
     want = _fwd_bwd(
       jagged_attention_reference,
@@ -85,7 +92,10 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed):
 SELF_LENS = [70, 0, 1, 130, 9]
 
 
-def test_causal_self_attention_interpret():
+@pytest.mark.parametrize("block_kv_dq", [128, 64])
+def test_causal_self_attention_interpret(block_kv_dq):
+  # 128: the dQ kernel reuses the forward's work list and side tiles (head
+  # dim 64 default); 64: it builds its own (head dim 128 default).
   _check_case(
     SELF_LENS,
     None,
@@ -96,6 +106,7 @@ def test_causal_self_attention_interpret():
     causal=True,
     tail=5,
     seed=1,
+    block_sizes=mg.BlockSizes(block_kv_dq=block_kv_dq),
   )
 
 
