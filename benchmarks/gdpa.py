@@ -1,16 +1,17 @@
 """GDPA (G2): our Mosaic GPU kernels vs cuDNN softmax attention and XLA.
 
-    PYTHONPATH=. python3 benchmarks/gdpa.py [--out DIR] [--tune CASES]
-        [--cases cross16,cross64,cross256,pooled] [--smoke]
+    PYTHONPATH=. python3 benchmarks/gdpa.py [--out DIR] [--smoke]
+        [--cases cross16,cross64,cross256,pooled] [--phases main,sweep,acts]
 
 D=128, 8 query heads over 2 KV heads (the model's GQA), bf16, in one
 process:
 - cross: B=32 sequences of 2,048 queries over 16, 64 or 256 keys each;
 - pooled: 16 (learned) queries per sequence over log-normal histories
   (median 1,100, sigma 0.6, capped at 2,048).
-Ours is `gdpa(activation="gelu_tanh", tanh="poly")` on the packed buffers
-(schedule, side tiles and deal built inside the timed call; `tanh="poly"`
-evaluates the polynomial with an exact-tanh fallback); the baselines
+Ours is `gdpa(activation="gelu_tanh", tanh="poly", max_len_kv=...)` on the
+packed buffers (schedule, side tiles and deal built inside the timed call;
+`tanh="poly"` evaluates the polynomial with an exact-tanh fallback; the
+caller's key-length bound picks the key tile); the baselines
 are cuDNN softmax attention (`jax.nn.dot_product_attention(
 implementation="cudnn")`) on the padded `[B, L]` layout with per-sample
 lengths, and an XLA GELU-attention (two einsums and a GELU) on the same
@@ -28,6 +29,12 @@ peak (bf16 matmul) and bandwidth (copy) measured in this process. Goals
 (issue 4): forward >= 1.6x cuDNN, forward+backward >= 1.5x at every KV
 length, forward >= 80% of the roofline. A correctness check against the
 f32 reference (forward and the three gradients) runs first on every case.
+
+Phases: `main` (the above, every case), then `sweep` (our forward, and
+some forward+backward, under other `BlockSizes`, e.g. the pre-pipeline
+`LEGACY` settings, plus the XLA work list + side tiles alone: the part of
+our time that is not the kernel), then `acts` (the other activations).
+Sweep figures go to `$OUT/gdpa_tune.json` only.
 """
 
 import argparse
@@ -52,6 +59,7 @@ from benchmarks import common  # noqa: E402
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.op import gdpa_mosaic
 from pallas_kernels.gdpa.reference import apply_activation, gdpa_reference
+from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
 B, LQ, N, KH, D = 32, 2048, 8, 2, 128
 KV_LENS = (16, 64, 256)
@@ -144,7 +152,9 @@ def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
   return errs
 
 
-def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
+def run_case(case, q_lens, kv_lens, records, ceilings):
+  """Phase 1: check, then ours and the baselines; returns what the later
+  phases need (None when our kernels failed the check)."""
   q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
   sets = make_sets(q_off, kv_off, seed=len(records) + 1)
@@ -153,6 +163,7 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
   bytes_fwd = 2.0 * 2 * (q_off[-1] * N * D + kv_off[-1] * KH * D)
 
   def ours(q, k, v, activation=ACT, tanh="poly", bs=None):
+    # max_len_kv: the caller's bound, which also picks the key tile.
     return gdpa_mosaic(
       q,
       k,
@@ -161,6 +172,7 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
       kv_off_j,
       activation=activation,
       tanh=tanh,
+      max_len_kv=max_kv,
       block_sizes=bs,
       interpret=INTERPRET,
     )
@@ -191,28 +203,63 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
       (name, "fwd", lambda q, k, v, do, fn=fn: fn(q, k, v), padded),
       (name, "fwdbwd", common.loss_grad(fn), padded),
     ]
-  if errs is not None:
-    for act, tanh in (
-      ("gelu", "poly"),
-      ("silu", "poly"),
-      (ACT, "exact"),
-      (ACT, "poly_unchecked"),
-    ):
-      label = f"mosaic_{act}" + (f"_{tanh}" if act == ACT else "")
-      fn = lambda q, k, v, do, a=act, th=tanh: ours(q, k, v, a, th)  # noqa: E731
-      runs.append((label, "fwd", fn, sets))
+  ctx = dict(
+    case=case,
+    ours=ours,
+    sets=sets,
+    flops=flops,
+    base={},
+    q_off=q_off_j,
+    kv_off=kv_off_j,
+    t=sets[0][0].shape[0],
+    max_kv=max_kv,
+  )
+  times = _time_runs(case, runs)
+  ctx["base"] = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
+  _record_times(ctx, times, records)
+  if ("mosaic", "fwd") not in times:
+    return None
+  peak, bw = ceilings
+  intensity = flops / bytes_fwd  # FLOP per byte
+  roof = min(peak, bw * intensity)  # TFLOP/s
+  achieved = flops / times["mosaic", "fwd"] / 1e12
+  print(
+    f"{case:12s} roofline {roof:.1f} TFLOP/s (intensity {intensity:.1f} "
+    f"FLOP/B): forward at {achieved / roof:.1%}",
+    flush=True,
+  )
+  records.append(
+    common.record(
+      "gdpa",
+      case,
+      "mosaic",
+      "fwd_roofline_fraction",
+      achieved / roof,
+      baseline="roofline_tflops",
+      baseline_value=roof,
+      goal=ROOFLINE_GOAL,
+      ratio=achieved / roof,
+    )
+  )
+  return ctx if errs is not None else None
+
+
+def _time_runs(case, runs):
   times = {}
   for impl, kind, fn, data in runs:
     try:
       times[impl, kind] = common.time_sets(fn, data)
     except Exception as e:  # e.g. cuDNN rejects a shape
       print(f"{case} {impl} {kind}: {type(e).__name__} {str(e)[:300]}")
+  return times
 
-  base = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
+
+def _record_times(ctx, times, records):
+  case, flops, base = ctx["case"], ctx["flops"], ctx["base"]
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0
     tf = flops * mult / sec / 1e12
-    b_sec = base[kind]
+    b_sec = base.get(kind)
     print(
       f"{case:12s} {impl:26s} {kind:7s} {sec * 1e3:8.3f} ms "
       f"{tf:7.1f} useful TFLOP/s",
@@ -244,69 +291,109 @@ def run_case(case, q_lens, kv_lens, args, records, extra, ceilings):
           goal=GOALS[kind] if impl == "mosaic" else None,
         )
       )
-  if ("mosaic", "fwd") not in times:
-    return
-  peak, bw = ceilings
-  intensity = flops / bytes_fwd  # FLOP per byte
-  roof = min(peak, bw * intensity)  # TFLOP/s
-  achieved = flops / times["mosaic", "fwd"] / 1e12
-  print(
-    f"{case:12s} roofline {roof:.1f} TFLOP/s (intensity {intensity:.1f} "
-    f"FLOP/B): forward at {achieved / roof:.1%}",
-    flush=True,
-  )
-  records.append(
-    common.record(
-      "gdpa",
-      case,
-      "mosaic",
-      "fwd_roofline_fraction",
-      achieved / roof,
-      baseline="roofline_tflops",
-      baseline_value=roof,
-      goal=ROOFLINE_GOAL,
-      ratio=achieved / roof,
+
+
+ACTS = {  # label: (activation, tanh); forward only
+  "mosaic_gelu": ("gelu", "poly"),
+  "mosaic_silu": ("silu", "poly"),
+  f"mosaic_{ACT}_exact": (ACT, "exact"),
+  f"mosaic_{ACT}_poly_unchecked": (ACT, "poly_unchecked"),
+}
+
+
+def run_acts(ctx, records, labels):
+  """Phase 3: our forward with the other activations and tanh forms."""
+  ours = ctx["ours"]
+  runs = []
+  for label in labels:
+    act, tanh = ACTS[label]
+    fn = lambda q, k, v, do, a=act, th=tanh: ours(q, k, v, a, th)  # noqa: E731
+    runs.append((label, "fwd", fn, ctx["sets"]))
+  _record_times(ctx, _time_runs(ctx["case"], runs), records)
+
+
+BS = mg.BlockSizes
+# Before the pipeline work (2-deep Q ring, 64-row key tiles, plain output
+# buffer, no split); the deal chunk is now capped by the item count.
+LEGACY = BS(block_kv=64, q_stages=2, full_store=False, kv_split=1)
+SWEEP = {  # case: [(label, block sizes, also forward+backward)]
+  "cross16": [
+    ("legacy", LEGACY, True),
+    ("kv64", BS(block_kv=64), False),
+    ("kv16 q2", BS(block_kv=16, q_stages=2), False),
+    ("kv16 q5 plain", BS(block_kv=16, q_stages=5, full_store=False), False),
+    ("kv32", BS(block_kv=32), False),
+  ],
+  "cross64": [
+    ("legacy", LEGACY, True),
+    ("q4 plain", BS(full_store=False), False),
+    ("kv_stages1", BS(kv_stages=1), False),
+    ("kv32", BS(block_kv=32), False),
+  ],
+  "cross256": [
+    ("legacy", LEGACY, True),
+    ("q4 plain", BS(full_store=False), False),
+    ("kv128 plain", BS(block_kv=128, full_store=False), False),
+  ],
+  "pooled": [
+    ("legacy", LEGACY, True),
+    ("split2", BS(kv_split=2), False),
+    ("split4", BS(kv_split=4), True),
+    ("split4 kv4", BS(kv_split=4, kv_stages=4), False),
+  ],
+}
+
+
+def run_sweep(ctx, extra):
+  """Phase 2: our forward (and some forward+backward) under other block
+  sizes, and the XLA work list + side tiles alone."""
+  case, ours, sets = ctx["case"], ctx["ours"], ctx["sets"]
+  base = ctx["base"]
+  bkv = mg.kv_block(ctx["max_kv"])
+
+  def plan(q, k, v, do):
+    items, _ = jmg.query_items(
+      ctx["q_off"], ctx["kv_off"], ctx["t"], block_q=64, block_kv=bkv,
+      causal=False,
+    )  # fmt: skip
+    return (
+      items,
+      jmg.side_tiles(k, ctx["kv_off"], bkv),
+      jmg.side_tiles(v, ctx["kv_off"], bkv),
     )
-  )
-  if errs is not None and case in args.tune.split(","):
-    tune(case, ours, sets, extra)
 
-
-TUNE = [
-  mg.BlockSizes(),
-  mg.BlockSizes(block_kv=128),
-  mg.BlockSizes(kv_stages=3),
-  mg.BlockSizes(kv_stages=4),
-  mg.BlockSizes(deal_chunk=1),
-  mg.BlockSizes(deal_chunk=8),
-  mg.BlockSizes(num_sms=264),
-]
-
-
-def tune(case, ours, sets, extra):
-  """Our forward and forward+backward under other settings."""
-  for bs in TUNE:
+  runs = [("plan", "fwd", plan)]
+  for label, bs, bwd in SWEEP.get(case, []):
     op = lambda q, k, v, bs=bs: ours(q, k, v, bs=bs)  # noqa: E731
-    for kind, fn in (
-      ("fwd", lambda q, k, v, do, op=op: op(q, k, v)),
-      ("fwdbwd", common.loss_grad(op)),
-    ):
-      try:
-        sec = common.time_sets(fn, sets)
-      except Exception as e:  # e.g. shared memory overflow
-        print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
-        continue
-      print(f"{case:12s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
-      extra.append({"case": case, "part": f"{kind} {bs}", "ms": sec * 1e3})
+    runs.append((label, "fwd", lambda q, k, v, do, op=op: op(q, k, v)))
+    if bwd:
+      runs.append((label, "fwdbwd", common.loss_grad(op)))
+  for label, kind, fn in runs:
+    try:
+      sec = common.time_sets(fn, sets)
+    except Exception as e:  # e.g. shared memory overflow
+      print(f"{case} {label} {kind}: {type(e).__name__} {str(e)[:300]}")
+      continue
+    vs = f" ({base[kind] / sec:.2f}x cuDNN)" if base.get(kind) else ""
+    print(
+      f"{case:12s} sweep {label:14s} {kind:7s} {sec * 1e3:8.3f} ms{vs}",
+      flush=True,
+    )
+    extra.append(
+      {"case": case, "variant": label, "kind": kind, "ms": sec * 1e3}
+    )
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=None)
-  parser.add_argument(
-    "--tune", default="", help="cases to sweep block sizes on, e.g. cross16"
-  )
   parser.add_argument("--cases", default="cross16,cross64,cross256,pooled")
+  parser.add_argument(
+    "--phases",
+    default="main,sweep,acts",
+    help="main (ours vs baselines), sweep (block sizes), acts (activations)",
+  )
+  parser.add_argument("--acts", default=",".join(ACTS), help="phase acts")
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
   global B, LQ, LMAX, R, CUDNN, INTERPRET, SMOKE_SIZES
@@ -321,8 +408,20 @@ def main():
     SMOKE_SIZES = True
   print(common.device_name(), jax.__version__, flush=True)
   ceilings = measure_ceilings()
-  records, extra = [], []
+  phases = args.phases.split(",")
+  records, extra, ctxs = [], [], []
   rng = np.random.default_rng(0)
+
+  def save():
+    # Written after every step: a run cut short keeps what it measured.
+    # A smoke run never touches benchmarks/results.
+    path = common.write_results("gdpa", records, args.out, dry_run=args.smoke)
+    if extra and args.out:
+      pathlib.Path(args.out, "gdpa_tune.json").write_text(
+        json.dumps(extra, indent=1)
+      )
+    return path
+
   for case in args.cases.split(","):
     if case.startswith("cross"):
       kv = int(case[len("cross") :])
@@ -335,14 +434,18 @@ def main():
       kv_lens = common.lognormal_lengths(rng, B, LMAX)
     else:
       raise ValueError(case)
-    run_case(case, q_lens, kv_lens, args, records, extra, ceilings)
-    # Written after every case: a run cut short keeps what it measured.
-    # A smoke run never touches benchmarks/results.
-    path = common.write_results("gdpa", records, args.out, dry_run=args.smoke)
-    if extra and args.out:
-      pathlib.Path(args.out, "gdpa_tune.json").write_text(
-        json.dumps(extra, indent=1)
-      )
+    ctx = run_case(case, q_lens, kv_lens, records, ceilings)
+    if ctx is not None:
+      ctxs.append(ctx)
+    path = save()
+  if "sweep" in phases:
+    for ctx in ctxs:
+      run_sweep(ctx, extra)
+      save()
+  if "acts" in phases and args.acts:
+    for ctx in ctxs:
+      run_acts(ctx, records, args.acts.split(","))
+      path = save()
   print("wrote", path)
 
 

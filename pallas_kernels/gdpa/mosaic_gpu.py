@@ -21,12 +21,18 @@ CTAs (one per query tile) mostly wait on their own loads. So:
 
 1. Pipeline over the outer loop. The forward and dQ kernels are
    persistent: each CTA (one pair of query heads, one "worker") walks a list
-   of query tiles, and its producer warpgroup loads the next tile's Q (and
-   dO) while the consumers compute the current one (ring of 2). Keys and
-   values go through a second ring of `kv_stages` tiles; when a sequence's
-   keys fit in it (`kv_steps <= kv_stages`, the short-KV case) they are
-   loaded once and stay resident for every following tile of the same
-   sequence on that CTA.
+   of query tiles, and its producer warpgroup loads the next tiles' Q (and
+   dO) while the consumers compute the current one, through a ring of
+   `q_stages` tiles (up to 4, as shared memory allows); a consumer hands a
+   Q slot back right after the last matmul that reads it, not at the end
+   of the tile. Short keys make these shapes memory-bound (Q in, O out), so
+   what counts is how many tile loads are in flight. Keys and values go
+   through a second ring of `kv_stages` tiles; when a sequence's keys fit
+   in it (`kv_steps <= kv_stages`, the short-KV case) they are loaded once
+   and stay resident for every following tile of the same sequence on that
+   CTA. Each worker's items are gathered into one table row per item
+   (`work_table`, XLA) and read one item ahead, so no dependent global
+   loads sit at the head of a tile.
 2. Skip empty tiles: the work list is `jagged_attention.mosaic_gpu
    .query_items` (built from `pallas_kernels.schedule` on device inside
    `jit`), which holds only tiles with rows, longest first.
@@ -36,13 +42,25 @@ CTAs (one per query tile) mostly wait on their own loads. So:
    `schedule.deal`: worker `w` takes chunks `w, 2W-1-w, 2W+w,
    ...`, one long and one short per round, so per-SM work is balanced.
 
+4. Narrow key tiles for short keys. The activation runs on every score
+   of a `64 x block_kv` tile, zero-filled keys included; with 16 keys a
+   64-row key tile would quadruple that ALU work, which is what bounds the
+   forward. `block_kv` (16, 32 or 64) follows the caller's `max_len_kv`.
+5. Split-K for few query tiles over long keys (pooled attention: one query
+   tile per 2K history cannot keep 132 SMs busy). With no softmax, the
+   output is a plain sum over key tiles, so each query tile's keys are cut
+   into `kv_split` parts, dealt as separate items, each writing an f32
+   partial `[parts, t, n, h]` that XLA adds (dQ likewise).
+
 Boundaries by zero-fill, as in the jagged kernel (G1), and here even
 simpler: every activation has `a(0) = 0`, so a zero key row contributes
 exactly nothing and needs no correction. Tiles sit on the 8-aligned row
 grid of the jagged kernel; the first and last key tile of each sequence come
 from its zero-filled side buffers (`side_tiles`), so no score is ever
 masked. Query rows outside the sequence are computed and never written
-(ladder of TMA stores). In the dK/dV kernel the *query* side needs the
+(ladder of TMA stores from a plain buffer; whole tiles leave through a
+swizzled one instead, which the wgmma-layout register store reaches
+without bank conflicts). In the dK/dV kernel the *query* side needs the
 same treatment (a garbage query row would add `a(x) dO` to dV): its first
 and last query tiles (and dO tiles) also come from zero-filled side
 buffers; a zero query row gives `a(0) = 0` for dV and `dX * 0 = 0` for dK.
@@ -107,21 +125,31 @@ _ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes; defaults chosen for H200 (not yet tuned on the device)."""
+  """Tile sizes and pipeline depths (H200; measurements in .notes/gdpa.md).
+
+  `None` means chosen per call: `block_kv` from the caller's `max_len_kv`
+  (`kv_block`), `q_stages` the deepest Q ring that fits (`query_layout`),
+  `kv_split` from the number of query tiles (`kv_parts`).
+  """
 
   block_q: int = 64  # query rows per consumer warpgroup
-  block_kv: int = 64  # key rows per step (forward and dQ)
+  block_kv: int | None = None  # key rows per step (dQ: at least 64)
   kv_stages: int = 2  # K/V ring depth; keys of <= this many tiles stay
+  q_stages: int | None = None  # Q (and dO) ring depth, at most
+  kv_split: int | None = None  # key parts per query tile (split-K)
+  full_store: bool = True  # whole output tiles leave via a swizzled buffer
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"block_q={self.block_q} must be 64 (one warpgroup)")
-    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv={self.block_kv}: 64, 128, 192 or 256")
-    if self.kv_stages < 1 or self.deal_chunk < 1 or self.num_sms < 1:
-      raise ValueError("kv_stages, deal_chunk and num_sms must be >= 1")
+    kv = self.block_kv
+    if kv is not None and (kv % 16 or not 16 <= kv <= 256):
+      raise ValueError(f"block_kv={kv}: a multiple of 16 in [16, 256]")
+    for f in ("kv_stages", "deal_chunk", "num_sms", "q_stages", "kv_split"):
+      if getattr(self, f) is not None and getattr(self, f) < 1:
+        raise ValueError(f"{f} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,98 +288,209 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
 # --------------------------------------------------------------------------
 # Forward and dQ: persistent CTAs over query tiles.
 
+MAX_Q_STAGES = 4  # Q ring depth chosen when `q_stages` is None
+MAX_KV_SPLIT = 4  # key parts chosen when `kv_split` is None
 
-def _heads_per_cta(n, kh, h, bs, dq: bool):
-  """Query heads per CTA (2 share K/V tiles) if shared memory allows."""
-  group = n // kh
-  hpc = 2 if group % 2 == 0 else 1
-  while hpc > 1 and _query_smem(hpc, h, bs, dq) > SMEM_BYTES:
-    hpc //= 2
-  if _query_smem(hpc, h, bs, dq) > SMEM_BYTES:
-    raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
-  return hpc
+# Columns of the per-worker work table (`work_table`).
+(
+  W_QROW,  # first packed row of the (aligned) query tile
+  W_LO,  # valid rows [lo, hi) of the tile
+  W_HI,
+  W_KVROW,  # first packed row of the sequence's aligned key grid
+  W_KVLEN,  # key length of the sequence
+  W_STEPS,  # key tiles of this item (its part of the grid)
+  W_TOTAL,  # key tiles of the sequence's grid
+  W_SEQ,  # sequence
+  W_FIRST,  # first key tile of this item
+  W_PART,  # key part (split-K index)
+  W_REUSE,  # 1: keys resident from the worker's previous item
+  W_RELEASE,  # 1: the worker's next item does not reuse them
+) = range(12)
+W_COLS = 12
 
 
-def _query_smem(hpc, h, bs, dq):
-  q_ring = 2 * hpc * bs.block_q * h * 2 * (2 if dq else 1)  # Q (and dO)
+def v_tile(shape, dtype, block_kv):
+  """Shared-memory V tiles `[..., block_kv, h]`: the PV matmul contracts
+  over the `block_kv` rows, and wgmma steps over K in swizzle-wide groups,
+  so tiles under 64 rows take the 32- or 64-byte swizzle (K tiles keep 128
+  bytes: QK contracts over the head dim, against Q's 128-byte swizzle)."""
+  swizzle = min(128, block_kv * jnp.dtype(dtype).itemsize)
+  if swizzle == 128:
+    return mosaic.smem_tile(shape, dtype)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  transforms = (
+    plgpu.TilingTransform((8, elems)),
+    plgpu.SwizzleTransform(swizzle),
+  )
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def kv_block(max_len_kv: int | None) -> int:
+  """Key rows per step when the caller leaves `block_kv` open: the
+  activation runs on every score of a `64 x block_kv` tile, so short keys
+  (cross-attention over 16-32 candidates' keys) get narrow tiles."""
+  if max_len_kv is not None:
+    for rows in (16, 32):
+      if max_len_kv <= rows:
+        return rows
+  return 64
+
+
+def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
+  """Key parts per query tile (split-K). Few query tiles over long keys
+  (pooled attention) leave most persistent CTAs idle and one CTA streaming
+  a 2K history alone; splitting each tile's keys into parts gives every
+  CTA work. `num_items` is the static bound on query tiles."""
+  if bs.kv_split is not None:
+    return bs.kv_split
+  workers = -(-bs.num_sms // groups)
+  if num_items >= 2 * workers:
+    return 1
+  mean_tiles = kv_rows // max(seqs, 1) // bs.block_kv
+  parts = min(MAX_KV_SPLIT, -(-4 * workers // num_items), mean_tiles // 2)
+  return max(1, parts)
+
+
+def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
+  """Per-worker work: `int32[w, j, W_COLS]` and real items per worker.
+
+  `items` (`jagged_attention.mosaic_gpu.query_items`, sorted) become
+  `parts` items each (key tiles `[p * steps // parts, (p + 1) * steps //
+  parts)`), re-sorted by their key tiles; chunks of `chunk` are dealt
+  zig-zag (`schedule.deal`), and each worker's rows are gathered here, with
+  the resident-key flags worked out, so the kernel reads one row per item
+  (no dependent loads) one item ahead.
+  """
+  num = items.shape[0]
+  steps = items[:, 7]
+  part = jnp.arange(parts, dtype=jnp.int32)[:, None]
+  first = part * steps // parts
+  count = (part + 1) * steps // parts - first
+
+  def rep(c):
+    return jnp.broadcast_to(items[:, c], (parts, num))
+
+  cols = [rep(0), rep(1), rep(2), rep(4), rep(5), count, rep(8), rep(9)]
+  cols += [first, jnp.broadcast_to(part, (parts, num))]
+  table = jnp.stack(cols, axis=-1).reshape(parts * num, len(cols))
+  num_real = num_real * parts
+  if parts > 1:
+    real = jnp.broadcast_to(jnp.arange(num) < num_real // parts, (parts, num))
+    key = jnp.where(real.reshape(-1), -table[:, W_STEPS] - 1, num + 1)
+    table = table[jnp.argsort(key, stable=True)]
+  dealt, counts = schedule.deal(parts * num, num_real, workers, chunk)
+  wt = table[dealt]  # [w, j, cols]
+  j = jnp.arange(1, dealt.shape[1], dtype=jnp.int32)
+  same = (
+    (j[None, :] < counts[:, None])
+    & (wt[:, 1:, W_SEQ] == wt[:, :-1, W_SEQ])
+    & (wt[:, 1:, W_PART] == wt[:, :-1, W_PART])
+    & (wt[:, 1:, W_STEPS] <= mcs)
+  )
+  edge = jnp.zeros((workers, 1), bool)
+  reuse = jnp.concatenate([edge, same], axis=1)
+  release = jnp.concatenate([~same, ~edge], axis=1)
+  flags = jnp.stack([reuse, release], axis=-1).astype(jnp.int32)
+  return jnp.concatenate([wt, flags], axis=-1).astype(jnp.int32), counts
+
+
+def _query_smem(hpc, q_stages, h, bs, dq, out_bytes, full):
+  q_ring = q_stages * hpc * bs.block_q * h * 2 * (2 if dq else 1)
   kv_ring = bs.kv_stages * bs.block_kv * h * 2 * 2
-  out = hpc * bs.block_q * h * 2
+  out = hpc * bs.block_q * h * (out_bytes + (2 if full else 0))
   return q_ring + kv_ring + out + 1024
+
+
+def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
+  """(query heads per CTA, Q ring depth, swizzled full-tile store). Two
+  heads per CTA share every K/V tile (when the group is even); then the
+  deepest Q ring that fits shared memory, at most `q_stages` (or
+  `MAX_Q_STAGES`), with the full-tile buffer when asked for and the output
+  is 16-bit."""
+  group = n // kh
+  full = bs.full_store and out_bytes == 2
+  for hpc in (2, 1) if group % 2 == 0 else (1,):
+    for qs in range(bs.q_stages or MAX_Q_STAGES, 0, -1):
+      if _query_smem(hpc, qs, h, bs, dq, out_bytes, full) <= SMEM_BYTES:
+        return hpc, qs, full
+  raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
 
 
 def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   """Forward (`do is None`: returns O) or dQ (returns dQ), `[t, n, h]`.
 
   `items`: `jagged_attention.mosaic_gpu.query_items` table (sorted),
-  `num_real` its number of real items.
+  `num_real` its number of real items; `k_side`: `side_tiles` of K
+  (`[b + 1, ...]`).
   """
   t, n, h = q.shape
-  _, kh, _ = k.shape
+  s, kh, _ = k.shape
   dtype = q.dtype
   group = n // kh
   is_dq = do is not None
   bs = static.block_sizes
-  hpc = _heads_per_cta(n, kh, h, bs, is_dq)
   bq, bkv, mcs = bs.block_q, bs.block_kv, bs.kv_stages
-  workers = schedule.persistent_workers(n // hpc, bs.num_sms, items.shape[0])
-  dealt, counts = schedule.deal(
-    items.shape[0], num_real, workers, bs.deal_chunk
+  if is_dq and bkv < 64:
+    # dQ contracts dS against K over the key rows: its K tile would need
+    # the narrow swizzle, but QK needs the 128-byte one (op.py uses 64).
+    raise ValueError(f"dQ needs block_kv >= 64, got {bkv}")
+  parts = kv_parts(bs, items.shape[0], max(n // 2, 1), s, k_side.shape[0] - 1)
+  out_dtype = jnp.float32 if parts > 1 else dtype
+  hpc, qs, full = query_layout(
+    n, kh, h, bs, is_dq, jnp.dtype(out_dtype).itemsize
   )
+  num = parts * items.shape[0]
+  workers = schedule.persistent_workers(n // hpc, bs.num_sms, num)
+  chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
+  wt, counts = work_table(items, num_real, parts, workers, chunk, mcs)
+  per_worker = wt.shape[1]
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
 
   def kernel(*refs):
+    (wt_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref) = refs[:7]
     if is_dq:
-      (items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
-       do_ref, out_ref) = refs[:10]  # fmt: skip
-      scratch = refs[10:]
-    else:
-      (items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref,
-       out_ref) = refs[:9]  # fmt: skip
-      do_ref = None
+      do_ref, out_ref = refs[7:9]
       scratch = refs[9:]
-    if not is_dq:
-      scratch = (scratch[0], None, *scratch[1:])
+    else:
+      do_ref, out_ref = None, refs[7]
+      scratch = (refs[8], None, *refs[9:])
     (q_smem, do_smem, k_smem, v_smem, o_smem) = scratch[:5]
-    (q_bar, kv_bar, q_free, kv_free) = scratch[5:]
+    (q_bar, kv_bar, q_free, kv_free) = scratch[5:9]
+    of_smem = scratch[9] if full else None
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     n_steps = count_ref[w]
     kv_head = lax.div(hp * hpc, group)
 
-    def item_id(j):
-      return deal_ref[w, jnp.clip(j, 0, dealt.shape[1] - 1)]
-
-    def item(j):
-      it = item_id(j)
-      return [items_ref[it, f] for f in range(11)]
-
-    def reuses(j):
-      """Item j finds its keys resident from item j - 1 (same sequence,
-      all key tiles fit the ring). Both sides evaluate this identically."""
-      cur, prev = item_id(j), item_id(j - 1)
-      return (
-        (j > 0)
-        & (j < n_steps)
-        & (items_ref[prev, 9] == items_ref[cur, 9])
-        & (items_ref[cur, 7] <= mcs)
-      )
+    def fetch(j, cols):
+      """Columns `cols` of row j of this worker's table; read one item
+      ahead, so the loads are in flight while the current tile computes.
+      Each side reads only what it uses (the producer runs on 40
+      registers)."""
+      jj = jnp.minimum(j, per_worker - 1)
+      return tuple(wt_ref[w, jj, c] for c in cols)
 
     @pl.when(wg < hpc)
     def _consumer():
       plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
       head = hp * hpc + wg
 
-      def body(j, loads):
-        (q_row, lo, hi, _, _, kv_len, _, steps, _, _, _) = item(j)
-        slot = lax.rem(j, 2)
-        reuse = reuses(j)
-        release = jnp.logical_not(reuses(j + 1))
+      cols = (W_QROW, W_LO, W_HI, W_STEPS, W_REUSE, W_RELEASE)
+      cols += (W_KVLEN,) * hstu + (W_PART,) * (parts > 1)
+
+      def body(j, carry):
+        loads, cur = carry[0], dict(zip(cols, carry[1:], strict=True))
+        nxt = fetch(j + 1, cols)
+        q_row, lo, hi, steps = (cur[W_QROW], cur[W_LO], cur[W_HI], cur[W_STEPS])
+        reuse, release = cur[W_REUSE] != 0, cur[W_RELEASE] != 0
+        slot = lax.rem(j, qs)
         base = jnp.where(reuse, loads - steps, loads)
         plgpu.barrier_wait(q_bar.at[slot])
         q_tile = q_smem.at[slot, wg]
         if hstu:
+          kv_len = cur[W_KVLEN]
           mult = jnp.where(kv_len > 0, 1.0 / kv_len.astype(jnp.float32), 0.0)
         acc = plgpu.layout_cast(
           jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
@@ -365,11 +504,19 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
             plgpu.barrier_wait(kv_bar.at[s])
 
           x = mosaic.matmul(q_tile, k_smem.at[s].transpose((1, 0)), (bq, bkv))
-          x = x * scale
           if is_dq:
             dp = mosaic.matmul(
               do_smem.at[slot, wg], v_smem.at[s].transpose((1, 0)), (bq, bkv)
             )
+
+          @pl.when(i == steps - 1)
+          def _():
+            # Q (and dO) are read by the matmuls above only: hand the slot
+            # back now, so the next load overlaps the rest of this tile.
+            mosaic.release(q_free.at[slot])
+
+          x = x * scale
+          if is_dq:
             ds = act_grad(x, name, tanh) * dp
             ds = ds * (mult * scale) if hstu else ds * scale
             acc = mosaic.accumulate(
@@ -392,22 +539,43 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           return acc
 
         acc = lax.fori_loop(0, steps, step, acc)
-        mosaic.release(q_free.at[slot])
+
+        @pl.when(steps == 0)
+        def _():
+          mosaic.release(q_free.at[slot])
+
         # The previous tile's stores must have read o_smem before reuse.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_tile = o_smem.at[wg]
-        o_tile[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        mosaic.ladder_store(
-          o_tile,
-          lambda r, size: out_ref.at[pl.ds(q_row + r, size), head],
-          lo,
-          hi - lo,
-          bq,
-        )
-        return jnp.where(reuse, loads, loads + steps)
+        if parts > 1:
+          part = cur[W_PART]
+          dst = lambda r, size: out_ref.at[part, pl.ds(q_row + r, size), head]  # noqa: E731
+        else:
+          dst = lambda r, size: out_ref.at[pl.ds(q_row + r, size), head]  # noqa: E731
+        whole = (lo == 0) & (hi == bq) if full else False
 
-      lax.fori_loop(0, n_steps, body, jnp.int32(0))
+        @pl.when(jnp.logical_not(whole))
+        def _():
+          # Plain buffer: the ladder slices it at any row.
+          o_tile = o_smem.at[wg]
+          o_tile[...] = acc.astype(out_dtype)
+          plgpu.commit_smem()
+          mosaic.ladder_store(o_tile, dst, lo, hi - lo, bq)
+
+        if full:
+
+          @pl.when(whole)
+          def _():
+            # Swizzled buffer: the wgmma-layout store is free of bank
+            # conflicts (8-way into a plain 256-byte-row buffer).
+            o_tile = of_smem.at[wg]
+            o_tile[...] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            rows = pl.ds(mosaic.aligned(q_row), bq)
+            plgpu.copy_smem_to_gmem(o_tile, out_ref.at[rows, head])
+
+        return (jnp.where(reuse, loads, loads + steps), *nxt)
+
+      lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == hpc)
@@ -415,7 +583,8 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       plgpu.set_max_registers(40, action="decrease")
 
       def issue_kv(i, s, kv_row, total, seq):
-        """Key tile i of the item into ring slot s (side tiles at ends)."""
+        """Key tile i of the sequence into ring slot s (side tiles at
+        the ends)."""
         from_side = (i == 0) | (i == total - 1)
         for ref, side, dst in (
           (k_ref, ks_ref, k_smem),
@@ -437,15 +606,18 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
               kv_bar.at[s],
             )
 
-      def body(j, loads):
-        (q_row, _, _, _, kv_row, _, _, steps, total, seq, _) = item(j)
-        slot = lax.rem(j, 2)
+      cols = (W_QROW, W_KVROW, W_STEPS, W_TOTAL, W_SEQ, W_FIRST, W_REUSE)
 
-        @pl.when(j >= 2)
+      def body(j, carry):
+        loads, cur = carry[0], dict(zip(cols, carry[1:], strict=True))
+        nxt = fetch(j + 1, cols)
+        slot = lax.rem(j, qs)
+
+        @pl.when(j >= qs)
         def _():
           plgpu.barrier_wait(q_free.at[slot])
 
-        rows = pl.ds(mosaic.aligned(q_row), bq)
+        rows = pl.ds(mosaic.aligned(cur[W_QROW]), bq)
         for g in range(hpc):
           plgpu.copy_gmem_to_smem(
             q_ref.at[rows, hp * hpc + g], q_smem.at[slot, g], q_bar.at[slot]
@@ -456,7 +628,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
               do_smem.at[slot, g],
               q_bar.at[slot],
             )
-        n_load = jnp.where(reuses(j), 0, steps)
+        n_load = jnp.where(cur[W_REUSE] != 0, 0, cur[W_STEPS])
 
         def load(i, loads):
           s = lax.rem(loads, mcs)
@@ -465,12 +637,14 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           def _():
             plgpu.barrier_wait(kv_free.at[s])
 
-          issue_kv(i, s, kv_row, total, seq)
+          issue_kv(cur[W_FIRST] + i, s, cur[W_KVROW], cur[W_TOTAL], cur[W_SEQ])
           return loads + 1
 
-        return lax.fori_loop(0, n_load, load, loads)
+        return (lax.fori_loop(0, n_load, load, loads), *nxt)
 
-      loads = lax.fori_loop(0, n_steps, body, jnp.int32(0))
+      init = (jnp.int32(0), *fetch(0, cols))
+      carry = lax.fori_loop(0, n_steps, body, init)
+      loads = carry[0]
       # Observe the last releases, so every barrier phase is consumed
       # before the CTA exits (the interpreter checks; free on the GPU).
 
@@ -478,28 +652,30 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       def _(i):
         plgpu.barrier_wait(kv_free.at[lax.rem(i, mcs)])
 
-      @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)
+      @pl.loop(jnp.maximum(n_steps - qs, 0), n_steps)
       def _(j):
-        plgpu.barrier_wait(q_free.at[lax.rem(j, 2)])
+        plgpu.barrier_wait(q_free.at[lax.rem(j, qs)])
 
   tile = mosaic.smem_tile
   scratch = [
-    tile((2, hpc, bq, h), dtype),
-    *([tile((2, hpc, bq, h), dtype)] if is_dq else []),
+    tile((qs, hpc, bq, h), dtype),
+    *([tile((qs, hpc, bq, h), dtype)] if is_dq else []),
     tile((mcs, bkv, h), dtype),
-    tile((mcs, bkv, h), dtype),
-    plgpu.SMEM((hpc, bq, h), dtype),
-    plgpu.Barrier(num_arrivals=hpc * (2 if is_dq else 1), num_barriers=2),
+    v_tile((mcs, bkv, h), dtype, bkv),
+    plgpu.SMEM((hpc, bq, h), out_dtype),
+    plgpu.Barrier(num_arrivals=hpc * (2 if is_dq else 1), num_barriers=qs),
     plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
-    plgpu.Barrier(num_arrivals=hpc, num_barriers=2),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=qs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+    *([tile((hpc, bq, h), dtype)] if full else []),
   ]
-  args = [items, dealt, counts, q, k, v, k_side, v_side]
+  args = [wt, counts, q, k, v, k_side, v_side]
   if is_dq:
     args.append(do)
-  return plgpu.kernel(
+  out_shape = (parts, t, n, h) if parts > 1 else (t, n, h)
+  out = plgpu.kernel(
     kernel,
-    out_type=jax.ShapeDtypeStruct((t, n, h), dtype),
+    out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
     scratch_types=scratch,
     grid=(n // hpc, workers),
     grid_names=("heads", "workers"),
@@ -508,6 +684,9 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
   )(*args)
+  if parts > 1:  # split-K: no softmax, so the parts simply add
+    out = out.sum(axis=0).astype(dtype)
+  return out
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 (slow; tests only). See `mosaic_gpu.py` for the technique (G2).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -27,6 +28,9 @@ DKV_BLOCK = 128  # key rows per dK/dV CTA (two warpgroups of 64)
 def _query_side(static, q, k, v, do, q_off, kv_off):
   """Forward (`do is None`) or dQ on row-padded buffers."""
   bs = static.block_sizes
+  if do is not None and bs.block_kv < 64:  # see `mg.query_kernel`
+    bs = dataclasses.replace(bs, block_kv=64)
+    static = dataclasses.replace(static, block_sizes=bs)
   items, sched = jmg.query_items(
     q_off,
     kv_off,
@@ -121,7 +125,9 @@ def gdpa_mosaic(
 
   `tanh`: `"poly"` (polynomial on its valid range, exact tanh outside),
   `"poly_unchecked"` (polynomial only: the caller guarantees the range) or
-  `"exact"`; only `activation="gelu_tanh"` uses it. `interpret=None`
+  `"exact"`; only `activation="gelu_tanh"` uses it. `max_len_kv` also
+  picks the key tile when `block_sizes.block_kv` is None (`mosaic_gpu
+  .kv_block`). `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
   """
@@ -141,12 +147,15 @@ def gdpa_mosaic(
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:
     interpret = None
+  bs = block_sizes or BlockSizes()
+  if bs.block_kv is None:
+    bs = dataclasses.replace(bs, block_kv=mg.kv_block(max_len_kv))
   static = mg._Static(
     activation=activation,
     normalize=normalize,
     tanh=tanh,
     scale=float(h**-0.5 if scale is None else scale),
-    block_sizes=block_sizes or BlockSizes(),
+    block_sizes=bs,
     interpret=interpret,
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)

@@ -65,6 +65,10 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
 
 
 SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
+# Narrow key tiles (the short-KV choice) and a 3-deep Q ring.
+NARROW = mg.BlockSizes(num_sms=2, deal_chunk=2, block_kv=16, q_stages=3)
+# Split-K: each query tile's keys in 3 parts (f32 partial outputs).
+SPLIT = mg.BlockSizes(num_sms=2, deal_chunk=2, block_kv=32, kv_split=3)
 
 
 def test_cross_attention_gelu_interpret():
@@ -73,6 +77,8 @@ def test_cross_attention_gelu_interpret():
   # dK/dV), seq 2 queries but no keys (zero output), seq 3 one query, seq 0
   # a long one (70 rows: two query tiles, not a multiple of 64). Group of
   # 2 query heads per KV head: two consumer warpgroups share the keys.
+  # 16-row key tiles: seq 3's 66 keys stream through the ring (5 tiles),
+  # the others stay resident.
   _check_case(
     [70, 0, 1, 9, 3],
     [3, 5, 0, 66, 1],
@@ -83,7 +89,7 @@ def test_cross_attention_gelu_interpret():
     tail=5,
     seed=1,
     activation="gelu",
-    block_sizes=SMALL,
+    block_sizes=NARROW,
   )
 
 
@@ -104,6 +110,26 @@ def test_pooled_attention_gelu_tanh_interpret():
     activation="gelu_tanh",
     tanh="poly",
     block_sizes=SMALL,
+  )
+
+
+def test_pooled_attention_split_keys_interpret():
+  # The same shape with each query tile's keys split in 3 parts of 32-row
+  # tiles (seq 0: 5 tiles -> parts of 1, 2, 2; seq 1: 7 keys, one tile ->
+  # two empty parts, which must still write their zero partials; seq 3
+  # without keys), forward and dQ through f32 partials.
+  _check_case(
+    [2, 1, 0, 3],
+    [130, 7, 20, 0],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=3,
+    seed=2,
+    activation="gelu_tanh",
+    tanh="poly",
+    block_sizes=SPLIT,
   )
 
 
@@ -129,14 +155,17 @@ def test_self_attention_silu_hstu_odd_group_interpret():
 def test_no_races_interpret():
   # The interpreter's race detector over the forward, dQ and dK/dV kernels:
   # every shared-memory buffer handed back to the producer (K/V and Q
-  # rings, resident keys reused across tiles) is ordered before its refill.
+  # rings, resident keys reused across tiles) is ordered before its refill,
+  # with the Q slot handed back early (after its last read) and split keys.
   q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
   q, k, v, do = cases.inputs(
     4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
-
+  bs = mg.BlockSizes(
+    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2
+  )
   attn = lambda q, k, v: gdpa_mosaic(
-    q, k, v, q_off, kv_off, block_sizes=SMALL, interpret=cases.RACE_PARAMS
+    q, k, v, q_off, kv_off, block_sizes=bs, interpret=cases.RACE_PARAMS
   )
   cases.assert_no_races(attn, q, k, v, do)
 
@@ -178,6 +207,41 @@ def test_kernel_activations_match_reference(name):
     np.testing.assert_allclose(both[1], got_grad, rtol=1e-6, atol=1e-6)
   zero = jnp.zeros((2,), jnp.float32)
   assert not mg.act(zero, name).any()  # a zero-filled key adds exactly 0
+
+
+def test_work_table_covers_every_key_tile_once():
+  # Split-K items: over all workers, every real query item's key tiles
+  # [0, steps) are covered exactly once by its parts; padding never runs.
+  rng = np.random.default_rng(0)
+  num, num_real, parts, workers = 23, 17, 3, 4
+  items = np.zeros((num, 11), np.int32)
+  items[:, 0] = np.arange(num) * 64  # query row: the item's identity
+  items[:num_real, 7] = rng.integers(0, 9, num_real)  # key tiles
+  items[:, 9] = np.arange(num) // 3  # sequence
+  wt, counts = mg.work_table(
+    jnp.asarray(items), num_real, parts, workers, chunk=2, mcs=2
+  )
+  wt, counts = np.asarray(wt), np.asarray(counts)
+  seen = {}
+  for w in range(workers):
+    for row in wt[w, : counts[w]]:
+      first, steps = row[mg.W_FIRST], row[mg.W_STEPS]
+      for tile in range(first, first + steps):
+        key = (row[mg.W_QROW], tile)
+        assert key not in seen
+        seen[key] = row[mg.W_PART]
+  want = {(i * 64, j) for i in range(num_real) for j in range(items[i, 7])}
+  assert set(seen) == want
+  assert counts.sum() == parts * num_real
+  # Resident keys only within one (sequence, part) run of <= mcs tiles.
+  for w in range(workers):
+    row = wt[w, : counts[w]]
+    for j in range(1, len(row)):
+      if row[j, mg.W_REUSE]:
+        assert row[j, mg.W_SEQ] == row[j - 1, mg.W_SEQ]
+        assert row[j, mg.W_PART] == row[j - 1, mg.W_PART]
+        assert row[j, mg.W_STEPS] <= 2
+      assert row[j - 1, mg.W_RELEASE] == 1 - row[j, mg.W_REUSE]
 
 
 def test_deal_covers_every_item_once():
