@@ -86,7 +86,8 @@ inside the kernel (O7). With an odd group the forward/dQ CTAs take one head.
 The backward is two kernels (dQ; dK/dV), each recomputing `S` and `P`: 7
 matmul passes where a fused backward with dQ accumulated by TMA reduce-add
 needs 5. That is the main cost left on the table (measured numbers and the
-plan are in .notes/jagged_attention.md).
+plan are in .notes/jagged_attention.md). `delta = rowsum(O * dO)` is formed
+inside the dQ kernel (no pass of its own) and handed to the dK/dV kernel.
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
