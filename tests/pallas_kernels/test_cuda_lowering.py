@@ -70,6 +70,7 @@ def test_gdpa(shape):
   kw = dict(activation="gelu_tanh")
   if shape.startswith("cross"):
     q_rows, kv_rows = B * L, B * int(shape[5:])
+    kw["max_len_kv"] = int(shape[5:])  # cross16: 16-row key tiles
   elif shape == "pooled":
     q_rows, kv_rows = B * 16, B * L
   else:

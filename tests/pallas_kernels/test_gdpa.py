@@ -93,11 +93,18 @@ def test_cross_attention_gelu_interpret():
   )
 
 
-def test_pooled_attention_gelu_tanh_interpret():
+@pytest.mark.parametrize(
+  "block_sizes", [SMALL, SPLIT], ids=["streamed", "split_keys"]
+)
+def test_pooled_attention_gelu_tanh_interpret(block_sizes):
   # Pooled shape: a few (learned) queries over long histories, 130 keys =
   # three 64-row key tiles, more than the 2-stage ring holds (streamed,
   # not resident). Default scale on unit-normal inputs puts the GELU
   # inputs on both sides of the polynomial's range (fallback exercised).
+  # SPLIT cuts each query tile's keys in 3 parts of 32-row tiles (seq 0:
+  # 5 tiles -> parts of 1, 2, 2; seq 1: 7 keys, one tile -> two empty
+  # parts, which must still write their zero partials; seq 3 without
+  # keys), forward and dQ through f32 partials.
   _check_case(
     [2, 1, 0, 3],
     [130, 7, 20, 0],
@@ -109,27 +116,7 @@ def test_pooled_attention_gelu_tanh_interpret():
     seed=2,
     activation="gelu_tanh",
     tanh="poly",
-    block_sizes=SMALL,
-  )
-
-
-def test_pooled_attention_split_keys_interpret():
-  # The same shape with each query tile's keys split in 3 parts of 32-row
-  # tiles (seq 0: 5 tiles -> parts of 1, 2, 2; seq 1: 7 keys, one tile ->
-  # two empty parts, which must still write their zero partials; seq 3
-  # without keys), forward and dQ through f32 partials.
-  _check_case(
-    [2, 1, 0, 3],
-    [130, 7, 20, 0],
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.bfloat16,
-    tail=3,
-    seed=2,
-    activation="gelu_tanh",
-    tanh="poly",
-    block_sizes=SPLIT,
+    block_sizes=block_sizes,
   )
 
 
