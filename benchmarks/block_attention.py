@@ -31,13 +31,9 @@ import argparse
 import os
 import sys
 
-if "--smoke" in sys.argv:
-  # GPU interpret mode runs each warpgroup as a separate XLA:CPU program on
-  # its own Python thread; with the default host client on a small machine
-  # they were seen to deadlock. Eight host devices (as tests/conftest.py
-  # sets) avoid it. Must be set before JAX starts.
-  flag = "--xla_force_host_platform_device_count=8"
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+from benchmarks import smoke
+
+os.environ["XLA_FLAGS"] = smoke.xla_flags(sys.argv)  # before JAX starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

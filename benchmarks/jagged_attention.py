@@ -22,13 +22,19 @@ other block sizes (`--tune`).
 
 import argparse
 import json
+import os
 import pathlib
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from benchmarks import smoke
 
-from benchmarks import common
+os.environ["XLA_FLAGS"] = smoke.xla_flags(sys.argv)  # before JAX starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.jagged_attention.reference import (
