@@ -9,6 +9,7 @@ buffers that tiled TMA needs. One definition of each lives here; the kernels
 import them rather than copying.
 """
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -37,11 +38,21 @@ def accumulate(acc, a, b, interpret, then=None):
         then()
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
-  # The GPU interpreter takes register (non-ref) wgmma operands badly.
-  out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+  if _in_registers(a):
+    # The GPU interpreter takes register (non-ref) wgmma operands badly.
+    out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+  else:  # shared-memory operands: its wgmma
+    out = acc + matmul(a, b, acc.shape)
   if then is not None:
     then()
   return out
+
+
+def _in_registers(x) -> bool:
+  """A value (not a shared-memory ref, transformed or not)."""
+  return isinstance(x, jax.Array) and not isinstance(
+    jax.typeof(x), jax.ref.AbstractRef
+  )
 
 
 def matmul(a, b, shape):

@@ -202,17 +202,6 @@ def fits(h: int, rope: bool) -> bool:
 # Shared pieces.
 
 
-def _acc(acc, a, b, static):
-  """`acc + a @ b` for shared-memory operands (see `mosaic.accumulate`)."""
-  if static.interpret is None:
-
-    def body(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-
-    return pl.run_state(body)(plgpu.ACC.init(acc))
-  return acc + mosaic.matmul(a, b, acc.shape)
-
-
 def _zeros(shape):
   return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), _L)
 
@@ -702,11 +691,15 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           ds_s[...] = ds.astype(dtype)
           plgpu.commit_smem()
           dv = tuple(
-            _acc(a, p_s.transpose((1, 0)), _part(do_t, i), static)
+            mosaic.accumulate(
+              a, p_s.transpose((1, 0)), _part(do_t, i), static.interpret
+            )
             for i, a in enumerate(dv)
           )
           dk = tuple(
-            _acc(a, ds_s.transpose((1, 0)), _part(q_t, i), static)
+            mosaic.accumulate(
+              a, ds_s.transpose((1, 0)), _part(q_t, i), static.interpret
+            )
             for i, a in enumerate(dk)
           )
           dq = [
