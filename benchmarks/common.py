@@ -23,26 +23,8 @@ def device_name() -> str:
   return getattr(d, "device_kind", d.platform)
 
 
-def time_fn(fn, *arg_sets, warmup: int = 3, iters: int = 20) -> float:
-  """Median seconds of `fn(*args)`, rotating over `arg_sets` (avoids caching).
-
-  Each call is synchronized with `block_until_ready`, so this measures the
-  device time of one call plus launch overhead.
-  """
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  times = []
-  for i in range(iters):
-    args = arg_sets[i % len(arg_sets)]
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
-# Calls (queued per batch, see `time_sets`) and warm-up calls; CPU smoke
-# runs set 1 and 0.
-TIMING = {"iters": 20, "warmup": 2}
+# Queued calls per batch and batches of `time_sets`; CPU smoke runs set 1.
+TIMING = {"iters": 20, "repeats": 5}
 
 
 def time_sets(fn, sets, iters: int | None = None) -> float:
@@ -57,8 +39,7 @@ def time_sets(fn, sets, iters: int | None = None) -> float:
   """
   n = TIMING["iters"] if iters is None else min(iters, TIMING["iters"])
   batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  repeats = 5 if n > 1 else 1
-  sec = device_time(batched, [(sets,)], calls=n, repeats=repeats)
+  sec = device_time(batched, [(sets,)], calls=n, repeats=TIMING["repeats"])
   return sec / len(sets)
 
 

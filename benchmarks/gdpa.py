@@ -111,7 +111,7 @@ def measure_ceilings():
     return 1.0, 1.0
   a = jax.random.normal(jax.random.key(0), (8192, 8192), DTYPE)
   mm = jax.jit(lambda a: a @ a)
-  peak = 2 * 8192**3 / common.time_fn(mm, (a,), warmup=3, iters=20) / 1e12
+  peak = 2 * 8192**3 / common.device_time(mm, [(a,)]) / 1e12  # queued
   bw = common.copy_bandwidth()
   print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s")
   return peak, bw
@@ -398,7 +398,7 @@ def main():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, LQ, LMAX, R, CUDNN = 2, 70, 150, 1, "xla"
-    common.TIMING.update(iters=1, warmup=0)
+    common.TIMING.update(iters=1, repeats=1)
     KV_LENS, POOLED_Q = (16, 64, 130), 3
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE_SIZES = True

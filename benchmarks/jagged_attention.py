@@ -313,9 +313,7 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     ("dkv_kernel", t_dkv),
     ("fwd_schedule_and_side_tiles", t_sched),
   ]:
-    batched = jax.jit(lambda pairs, fn=fn: [fn(x, p) for x, p in pairs])
-    sec = common.time_fn(batched, (full,), **common.TIMING)
-    sec /= len(full)
+    sec = common.time_sets(fn, full)  # fn(x, p) per (inputs, prebuilt) pair
     print(f"{case:16s} {name:28s} {sec * 1e3:8.3f} ms", flush=True)
     extra.append({"case": case, "part": name, "ms": sec * 1e3})
 
@@ -335,7 +333,7 @@ def main():
 
     global B, LMAX, R, CUDNN, INTERPRET
     B, LMAX, R, CUDNN = 2, 128, 1, "xla"
-    common.TIMING.update(iters=1, warmup=0)
+    common.TIMING.update(iters=1, repeats=1)
     INTERPRET = plgpu.InterpretGPUParams()
   print(common.device_name(), jax.__version__, flush=True)
   records, extra = [], []

@@ -38,7 +38,7 @@ def accumulate(acc, a, b, interpret, then=None):
         then()
 
     return pl.run_state(body)(plgpu.ACC.init(acc))
-  if _in_registers(a):
+  if in_registers(a):
     # The GPU interpreter takes register (non-ref) wgmma operands badly.
     out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
   else:  # shared-memory operands: its wgmma
@@ -48,7 +48,7 @@ def accumulate(acc, a, b, interpret, then=None):
   return out
 
 
-def _in_registers(x) -> bool:
+def in_registers(x) -> bool:
   """A value (not a shared-memory ref, transformed or not)."""
   return isinstance(x, jax.Array) and not isinstance(
     jax.typeof(x), jax.ref.AbstractRef

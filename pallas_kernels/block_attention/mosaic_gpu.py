@@ -215,7 +215,7 @@ def _cos_sin(cs):
 def _load_parts(raw, cs=None):
   """The parts of a swizzled `[parts * 64, 64]` tile in registers, rotated
   by RoPE (`cs`: the tile's table rows; then f32) if given."""
-  xs = [plgpu.load(_part(raw, p), layout=_L) for p in range(_parts(raw))]
+  xs = [plgpu.load(part, layout=_L) for part in _all_parts(raw)]
   if cs is None:
     return xs
   x1, x2 = (x.astype(jnp.float32) for x in xs)  # the halves RoPE pairs
@@ -241,6 +241,10 @@ def _part(ref, p: int):
   """Part `p` (`[64, 64]`) of a `[parts * 64, 64]` buffer: a static row
   window (a static slice, which wgmma operands inside `run_state` take)."""
   return ref.at[pl.ds(p * TILE, TILE)]
+
+
+def _all_parts(ref):
+  return [_part(ref, p) for p in range(_parts(ref))]
 
 
 def _cols(p, parts, h):
@@ -366,20 +370,11 @@ def _store_tile(xs, swizzled, plain, dst_ref, row, head, count):
     _store_rows(plain, dst_ref, row, head, count)
 
 
-def _scores(q_t, k_t):
-  """`Q K^T` `[64, 64]` f32: one accumulator, a wgmma per column part."""
-
-  def scoped(acc_ref):
-    for p in range(_parts(q_t)):
-      plgpu.wgmma(acc_ref, _part(q_t, p), _part(k_t, p).transpose((1, 0)))
-    return acc_ref[...]
-
-  return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
-
-
-def _scores_regs(qs, k_t, static):
-  """`Q K^T` with the query parts `qs` in registers (wgmma's A operand)."""
-  if static.interpret is not None:  # see `mosaic.accumulate`
+def _scores(qs, k_t, static):
+  """`Q K^T` `[64, 64]` f32: one accumulator, a wgmma per column part.
+  `qs`: Q's parts, in shared memory or in registers (wgmma's A operand)."""
+  if static.interpret is not None and mosaic.in_registers(qs[0]):
+    # See `mosaic.accumulate`.
     return sum(
       jnp.dot(q, _part(k_t, p)[...].T, preferred_element_type=jnp.float32)
       for p, q in enumerate(qs)
@@ -483,7 +478,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
             mosaic.release(q_free.at[qb])
             if rope and jj == len(heads) - 1:
               mosaic.release(cs_free)  # last use of this tile's RoPE rows
-            x = _scores_regs(qs, k_t, static)
+            x = _scores(qs, k_t, static)
             p = _probs(x * c, valid, static).astype(dtype)
             os = [
               mosaic.accumulate(
@@ -682,9 +677,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           _relayout(do_raw, do_t, keep_rows=valid)
           plgpu.commit_smem()
           plgpu.barrier_arrive(qd_free)
-          x = _scores(q_t, k_t)
+          x = _scores(_all_parts(q_t), k_t, static)
           p = _probs(x * c, valid, static)
-          dp = _scores(do_t, v_t)
+          dp = _scores(_all_parts(do_t), v_t, static)
           delta = (p * dp).sum(axis=1)
           ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
           p_s[...] = p.astype(dtype)
