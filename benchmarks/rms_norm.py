@@ -11,11 +11,14 @@ writes dh (4·T·D·2 bytes); gamma and the dgamma partials are added too.
 The ceiling is a device-to-device copy measured in the same process
 (bytes read + written).
 
-Also timed, to show where the time goes: the same pipeline moving tiles
-without computing ("copy through SMEM"), the forward without residual or
-gamma, the backward without dgamma, and a few tile settings.
+Also timed, to show where the time goes (--parts): the same pipeline moving
+tiles without computing ("copy through SMEM"), the forward without
+residual, XLA's copy of x; with --variants, forward pipeline variants
+(`VARIANTS`: PDL, balanced tiles, L2 hints, tile order, direct loads, ...)
+recorded as their own impls, and the copy through each pipeline.
 
-  PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--parts] [--sweep]
+  PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--parts]
+      [--variants] [--sweep]
   PYTHONPATH=. python benchmarks/rms_norm.py --small   # CPU, interpreted
 """
 
@@ -26,13 +29,14 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental import pallas as pl
 
 from benchmarks import common
 from pallas_kernels.rms_norm import mosaic_gpu as mg
 from pallas_kernels.rms_norm.reference import rms_norm_reference
 
 T = 262_144
+H200_SMS = mg.H200_NUM_SMS
 DS = (512, 2048)
 INTERPRET = False  # --small on CPU: GPU interpret mode, tiny shapes
 DTYPE = jnp.bfloat16
@@ -87,8 +91,10 @@ def smem_copy(x_td, block_sizes):
   )
 
   def kernel(cfg, x_gmem, o_gmem, in_smem, out_smem, barrier):
-    def body(row0, ins, store, carry):
-      store([plgpu.load(ins[0], layout=cfg.layout)])
+    mg._prologue(cfg)
+
+    def body(row0, load, store, carry):
+      store([load(0)])
       return carry
 
     mg._pipeline(cfg, [x_gmem], in_smem, barrier, [o_gmem], out_smem)(body, ())
@@ -163,15 +169,65 @@ def check(c: Case) -> dict:
   return errs
 
 
-STORE_MODES = {
-  "bulk-copy stores": mg.BlockSizes(direct_stores=False),
-  "direct stores": mg.BlockSizes(direct_stores=True),
+B = mg.BlockSizes
+# Forward pipeline variants timed by --variants (recorded as their own
+# impls, forward only): what each setting of `BlockSizes` is worth.
+VARIANTS = {
+  "old default (no balance, no PDL)": B(balance=False, pdl=False),
+  "PDL, no balance": B(balance=False),
+  "balance, no PDL": B(pdl=False),
+  "L2 evict_first stores": B(store_hint="evict_first"),
+  "contiguous tiles per block": B(order="contiguous"),
+  "4 output slots, 2 stages": B(out_slots=4, stages=2),
+  "direct loads, 132 blocks": B(direct_loads=True),
+  "direct loads, 264 blocks": B(direct_loads=True, num_blocks=264),
+  "direct loads, 396 blocks": B(direct_loads=True, num_blocks=396),
+  "32 KiB tiles": B(tile_bytes=32 * 1024),
+  "264 blocks, 2 stages": B(num_blocks=264, stages=2),
+}
+# The same pipelines moving x -> y without compute (D=2048's 2.1 GB).
+COPY_VARIANTS = {
+  "ring, no PDL, no balance": B(pdl=False, balance=False),
+  "ring (default)": B(),
+  "ring, L2 evict_first stores": B(store_hint="evict_first"),
+  "ring, contiguous tiles": B(order="contiguous"),
+  "direct loads, 264 blocks": B(direct_loads=True, num_blocks=264),
 }
 
 
-def measure(c: Case, copy_bw: float, records: list, rows: list) -> None:
-  """Ours (both store paths) vs XLA, forward and backward."""
+def _timed(c: Case, name: str, bs, copy_bw: float):
+  """Ours with `bs` (None = defaults): a table row and its seconds."""
   d, tensor = c.d, c.tensor
+  cfg = c.cfg(bs, bwd=name == "bwd")
+  smem = mg.smem_bytes(cfg, bwd=name == "bwd")
+  if smem * pl.cdiv(cfg.num_blocks, H200_SMS) > 220 * 1024:
+    raise ValueError(f"{smem // 1024} KiB of SMEM per block: no co-residence")
+  if name == "fwd":
+    t = device_time(c.fwd(cfg), c.fwd_args)
+    nb = 4 * tensor + d * 2
+  else:
+    t = device_time(c.bwd(cfg), c.bwd_args)
+    nb = 4 * tensor + d * 2 + cfg.num_blocks * cfg.block_rows * d * 4
+  row = dict(
+    d=d,
+    pass_=name,
+    ours_ms=t * 1e3,
+    tbps=nb / t / 1e12,
+    copy_fraction=nb / t / copy_bw,
+    block_rows=cfg.block_rows,
+    warps_per_row=cfg.warps_per_row,
+    stages=cfg.stages,
+    num_blocks=cfg.num_blocks,
+    smem_kib=smem // 1024,
+  )
+  return row, t, nb
+
+
+def measure(
+  c: Case, copy_bw: float, records: list, rows: list, variants: dict
+) -> None:
+  """Ours (defaults, then each of `variants`, forward only) vs XLA."""
+  d = c.d
   case = f"T={T} D={d} bf16 residual+gamma"
   xla_fwd = jax.jit(lambda x, r, g: rms_norm_reference(x, g, r))
 
@@ -184,35 +240,24 @@ def measure(c: Case, copy_bw: float, records: list, rows: list) -> None:
     "bwd": device_time(jax.jit(xla_vjp), xla_args),
   }
   baseline = {"fwd": "xla: jit(reference)", "bwd": "xla: jit(reference VJP)"}
-  default = mg.BlockSizes().direct_stores
-  for mode, bs in STORE_MODES.items():
-    impl = f"mosaic, {mode}" + (
-      " (default)" if bs.direct_stores == default else ""
-    )
-    for name in ("fwd", "bwd"):
-      cfg = c.cfg(bs, bwd=name == "bwd")
-      if name == "fwd":
-        t = device_time(c.fwd(cfg), c.fwd_args)
-        nb = 4 * tensor + d * 2
-      else:
-        t = device_time(c.bwd(cfg), c.bwd_args)
-        nb = 4 * tensor + d * 2 + cfg.num_blocks * cfg.block_rows * d * 4
+  runs = [("mosaic (default)", None, ("fwd", "bwd"))]
+  runs += [(f"mosaic, {k}", bs, ("fwd",)) for k, bs in variants.items()]
+  for impl, bs, passes in runs:
+    for name in passes:
+      try:
+        row, t, nb = _timed(c, name, bs, copy_bw)
+      except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  D={d} {name} {impl} FAILED:", type(e).__name__, str(e)[:300])
+        continue
       tx = t_xla[name]
-      rows.append(
-        dict(
-          d=d,
-          pass_=name,
-          impl=impl,
-          ours_ms=t * 1e3,
-          xla_ms=tx * 1e3,
-          speedup=tx / t,
-          tbps=nb / t / 1e12,
-          copy_fraction=nb / t / copy_bw,
-          block_rows=cfg.block_rows,
-          warps_per_row=cfg.warps_per_row,
-          stages=cfg.stages,
-          num_blocks=cfg.num_blocks,
-        )
+      row.update(impl=impl, xla_ms=tx * 1e3, speedup=tx / t)
+      rows.append(row)
+      print(
+        f"  D={d} {name} {impl:44s} {t * 1e3:7.4f} ms {tx / t:5.3f}x"
+        f" {row['copy_fraction']:6.1%} of copy (rows {row['block_rows']},"
+        f" stages {row['stages']}, blocks {row['num_blocks']},"
+        f" smem {row['smem_kib']}K)",
+        flush=True,
       )
       rec = functools.partial(common.record, "rms_norm", f"{case} {name}", impl)
       records += [
@@ -239,51 +284,39 @@ def measure(c: Case, copy_bw: float, records: list, rows: list) -> None:
       ]
 
 
-def parts(c: Case, copy_bw: float) -> dict:
-  """Where the time goes: the same tiles with a stage left out."""
+def parts(c: Case, copy_bw: float, copy_variants: dict) -> dict:
+  """Where the time goes: the same tiles with a stage left out, and the
+  pipeline variants moving x -> y without compute."""
   d, tensor = c.d, c.tensor
   xs = [(s[0],) for s in c.sets]
-  direct = mg.BlockSizes(direct_stores=True)
   variants = {
-    "copy through SMEM (x->y, no compute)": (
-      jax.jit(lambda x: smem_copy(x, mg.BlockSizes(direct_stores=False))),
+    f"copy through SMEM, {k} (x->y)": (
+      jax.jit(functools.partial(smem_copy, block_sizes=bs)),
       xs,
       2 * tensor,
-    ),
-    "copy, direct stores (x->y, no compute)": (
-      jax.jit(lambda x: smem_copy(x, direct)),
-      xs,
-      2 * tensor,
-    ),
+    )
+    for k, bs in copy_variants.items()
+  }
+  variants |= {
     "fwd without residual (x->y)": (
       c.fwd(c.cfg(None, bwd=False, residual=False)),
       c.fwd_args,
       2 * tensor,
     ),
-    "fwd without gamma": (
-      c.fwd(c.cfg(None, bwd=False, gamma=False)),
-      c.fwd_args,
-      4 * tensor,
-    ),
-    "bwd without gamma (no dgamma)": (
-      c.bwd(c.cfg(None, bwd=True, gamma=False)),
-      c.bwd_args,
-      4 * tensor,
-    ),
-    "bwd without residual (no dh_out)": (
-      c.bwd(c.cfg(None, bwd=True, residual=False)),
-      c.bwd_args,
-      3 * tensor,
-    ),
     "xla copy of x": (jax.jit(lambda x: jnp.copy(x)), xs, 2 * tensor),
   }
   out = {}
   for k, (fn, a, nb) in variants.items():
-    t = device_time(fn, a)
+    try:
+      t = device_time(fn, a)
+    except Exception as e:  # noqa: BLE001 - report and go on
+      print(f"  D={d} {k} FAILED:", type(e).__name__, str(e)[:300])
+      continue
     out[k] = dict(ms=t * 1e3, tbps=nb / t / 1e12, copy=nb / t / copy_bw)
     print(
-      f"  D={d} {k:36s} {t * 1e3:7.3f} ms {nb / t / 1e12:6.3f} TB/s"
-      f" ({nb / t / copy_bw:.0%} of copy)"
+      f"  D={d} {k:50s} {t * 1e3:7.4f} ms {nb / t / 1e12:6.3f} TB/s"
+      f" ({nb / t / copy_bw:.1%} of copy)",
+      flush=True,
     )
   return out
 
@@ -333,6 +366,9 @@ def main():
   ap.add_argument("--out", default=None, help="also write JSON here")
   ap.add_argument("--sweep", action="store_true", help="time tile settings")
   ap.add_argument("--parts", action="store_true", help="stages left out")
+  ap.add_argument(
+    "--variants", action="store_true", help="forward pipeline variants"
+  )
   ap.add_argument("--small", action="store_true", help="tiny run (CPU)")
   args = ap.parse_args()
   global T, DS, INTERPRET, CALLS, REPEATS
@@ -367,9 +403,15 @@ def main():
   for d in DS:
     c = Case(d)
     details[f"errors_d{d}"] = check(c)
-    measure(c, copy_bw, records, rows)
+    measure(c, copy_bw, records, rows, VARIANTS if args.variants else {})
     if args.parts:
-      details[f"parts_d{d}"] = parts(c, copy_bw)
+      # The copy variants at the larger size only (the one the fit of
+      # fixed vs streaming cost leans on).
+      copies = {"ring (default)": B()}
+      if args.variants and d == max(DS):
+        copies = COPY_VARIANTS
+      details[f"parts_d{d}"] = parts(c, copy_bw, copies)
+    details["records"] = records
     details["rows"] = rows
     save()
     del c
@@ -377,14 +419,14 @@ def main():
   print()
   print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write)")
   print(
-    "D    pass impl                               ours_ms xla_ms speedup"
-    " TB/s  copy%  rows wpr stages blocks"
+    "D    pass impl                                          ours_ms xla_ms"
+    " speedup TB/s  copy%  rows wpr stages blocks"
   )
   for r in rows:
     print(
-      f"{r['d']:<4} {r['pass_']:4} {r['impl']:34} {r['ours_ms']:7.3f}"
-      f" {r['xla_ms']:6.3f}"
-      f" {r['speedup']:6.2f}x {r['tbps']:5.2f} {r['copy_fraction']:5.0%}"
+      f"{r['d']:<4} {r['pass_']:4} {r['impl']:44} {r['ours_ms']:7.4f}"
+      f" {r['xla_ms']:6.4f}"
+      f" {r['speedup']:6.3f}x {r['tbps']:5.3f} {r['copy_fraction']:6.1%}"
       f" {r['block_rows']:5} {r['warps_per_row']:3} {r['stages']:6}"
       f" {r['num_blocks']:6}"
     )

@@ -98,11 +98,14 @@ _SMEM_BUDGET = 200 * 1024
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tiling of one kernel. Defaults tuned on H200 (benchmarks/rms_norm.py
-  --sweep): the forward is flat within 3% over 8-32 rows, 1-6 stages and 1-2
-  blocks per SM; the backward needs <= 32 values per thread (2 warps per row
-  at d=2048: 1.03 ms, against 1.76 ms with 64 values and spills).
+  --sweep / --variants): the forward is flat within 3% over 8-32 rows, 1-6
+  stages and 1-2 blocks per SM; the backward needs <= 32 values per thread
+  (2 warps per row at d=2048: 1.03 ms, against 1.76 ms with 64 values and
+  spills).
 
-  block_rows: rows `m` of one tile; `None` = about `tile_bytes` of input.
+  block_rows: rows `m` of one tile; `None` = about `tile_bytes` of input
+    (in the forward, with `balance`, the row count near it that evens out
+    the tiles per block).
   warps_per_row: warps sharing one row (1 or 2); `None` = 1, or 2 when a
     thread would otherwise hold more than `max_elems` values of a tile.
   stages: input buffers in the ring; `None` = as many as fit (at most
@@ -114,6 +117,24 @@ class BlockSizes:
     (16-byte stores per lane) instead of through SMEM and a bulk copy; the
     ragged last tile still takes the bulk copy, which is clamped. Measured
     on H200: the same time to within 1%, so the default stays the bulk copy.
+  direct_loads: inputs come from global memory straight into registers
+    (16-byte loads per lane, the next tile's loads issued before the
+    current tile is computed) instead of through the SMEM ring; implies
+    direct stores. Only for tiles that divide `t` (else the ring is used).
+  balance: forward only, `block_rows=None`: among row counts within 2x of
+    `tile_bytes` that keep >= 2 stages, take the one whose busiest block
+    has the fewest rows (`ceil(ceil(t/m)/g)·m`): the last wave of tiles
+    is then nearly full instead of leaving most blocks idle.
+  pdl: programmatic dependent launch: the kernel may start while the
+    previous kernel in the stream drains (`griddepcontrol.wait` before any
+    global memory access), and lets the next one start early.
+  store_hint: `"evict_first"` = bulk stores carry an L2 evict-first cache
+    policy (written lines leave L2 first), `None` = default policy.
+  order: `"strided"` = block `b` takes tiles `b, b+g, ...` (all blocks
+    sweep one window of the arrays); `"contiguous"` = block `b` takes one
+    run of consecutive tiles.
+  out_slots: SMEM buffers per output for bulk stores (a store may drain
+    while `out_slots - 1` later tiles are computed).
   """
 
   block_rows: int | None = None
@@ -124,6 +145,12 @@ class BlockSizes:
   max_stages: int = 4
   max_elems: int | None = None
   direct_stores: bool = False
+  direct_loads: bool = False
+  balance: bool = True
+  pdl: bool = True
+  store_hint: str | None = None
+  order: str = "strided"
+  out_slots: int = 2
 
 
 def _vec(itemsize: int) -> int:
@@ -186,6 +213,11 @@ class _Config:
   interpret: bool
   direct_stores: bool = False
   quantize: bool = False  # forward: also e4m3 values + 1x128 block scales
+  direct_loads: bool = False
+  pdl: bool = False
+  store_hint: str | None = None
+  order: str = "strided"
+  out_slots: int = 2
 
   @property
   def q_blocks(self) -> int:
@@ -211,6 +243,27 @@ def quantize_supported(d: int, dtype) -> bool:
   return supported(d, dtype) and d % QUANT_BLOCK == 0
 
 
+def _stages(bs: BlockSizes, rows, d, itemsize, n_in, n_out, *, acc, quantize):
+  """`(stages, smem bytes)`: input stages that fit the SMEM budget next to
+  the output buffers (or `bs.stages`), and the bytes they all take."""
+  tile = rows * d * itemsize
+  out_slots = 0 if bs.direct_loads else 1 if bs.direct_stores else bs.out_slots
+  fixed = out_slots * n_out * tile + (rows * d * 4 if acc else 0)
+  if quantize:  # e4m3 values and f32 scales, one buffer per slot
+    fixed += out_slots * (rows * d + rows * (d // QUANT_BLOCK) * 4)
+  stages = bs.stages
+  if stages is None:
+    stages = max(1, min(bs.max_stages, (_SMEM_BUDGET - fixed) // (n_in * tile)))
+  if bs.direct_loads:
+    return stages, fixed
+  return stages, fixed + stages * n_in * tile
+
+
+def _busiest_rows(t: int, rows: int, g: int) -> int:
+  """Rows of the block with the most tiles (`g` blocks, `rows` per tile)."""
+  return pl.cdiv(pl.cdiv(t, rows), g) * rows
+
+
 def make_config(
   t,
   d,
@@ -231,7 +284,11 @@ def make_config(
       raise ValueError(f"no fused FP8 output for {d=} {dtype=} {bwd=}")
     # The scales are written to SMEM by a function (`store`'s callable
     # entries), which only the bulk-store path takes.
-    bs = dataclasses.replace(bs, direct_stores=False)
+    bs = dataclasses.replace(bs, direct_stores=False, direct_loads=False)
+  if bs.order not in ("strided", "contiguous"):
+    raise ValueError(f"unknown tile order {bs.order!r}")
+  if bs.store_hint not in (None, "evict_first"):
+    raise ValueError(f"unknown store hint {bs.store_hint!r}")
   tile_bytes = bs.tile_bytes or (8 if bwd else 16) * 1024
   max_elems = bs.max_elems or (32 if bwd else 64)
   wpr = bs.warps_per_row
@@ -245,27 +302,57 @@ def make_config(
   if wpr not in (1, 2) or (wpr > 1 and d // _vec(itemsize) % (32 * wpr)):
     raise ValueError(f"warps_per_row={wpr} does not divide rows of {d}")
   unit = _min_rows(d, itemsize, wpr)
+  n_in = 2 + has_residual if bwd else 1 + has_residual
+  n_out = 1 if bwd else 1 + has_residual
+  stages_of = functools.partial(
+    _stages,
+    bs,
+    d=d,
+    itemsize=itemsize,
+    n_in=n_in,
+    n_out=n_out,
+    acc=bwd and gamma_dtype is not None,
+    quantize=quantize,
+  )
+  # Keep small problems on few tiles: no tile taller than needed.
+  tallest = pl.cdiv(t, unit) * unit
   if bs.block_rows is None:
     rows = max(unit, tile_bytes // (d * itemsize) // unit * unit)
+    if bs.balance and not bwd and rows < tallest:
+      # Rows near the target whose last wave of tiles is nearly full; no
+      # more than 128 values of a tile per thread (the forward's measured
+      # range), and a ring of >= 2 stages (1 stage measured 2% slower).
+      g = min(bs.num_blocks, pl.cdiv(t, rows))
+      # Direct loads need tiles that divide `t`.
+      cands = [
+        r
+        for r in range(unit, 2 * rows + 1, unit)
+        if 2 * r >= rows
+        and r * d <= 128 * 128
+        and (
+          t % r == 0
+          if bs.direct_loads
+          else stages_of(r)[0] >= 2 and stages_of(r)[1] <= _SMEM_BUDGET
+        )
+      ]
+      if cands:
+        rows = min(
+          cands,
+          key=lambda r: (_busiest_rows(t, r, g), abs(r - rows), -r),
+        )
   else:
     rows = bs.block_rows
   if rows % unit:
     raise ValueError(f"block_rows={rows} must be a multiple of {unit}")
-  # Keep small problems on few tiles: no tile taller than needed.
-  rows = min(rows, pl.cdiv(t, unit) * unit)
-  tile = rows * d * itemsize
-  n_in = 2 + has_residual if bwd else 1 + has_residual
-  n_out = 1 if bwd else 1 + has_residual
-  out_slots = 1 if bs.direct_stores else 2
-  fixed = out_slots * n_out * tile + (
-    rows * d * 4 if bwd and gamma_dtype else 0
-  )
-  if quantize:  # e4m3 values and f32 scales, double-buffered
-    fixed += 2 * (rows * d + rows * (d // QUANT_BLOCK) * 4)
-  stages = bs.stages
-  if stages is None:
-    stages = max(1, min(bs.max_stages, (_SMEM_BUDGET - fixed) // (n_in * tile)))
+  rows = min(rows, tallest)
   num_tiles = pl.cdiv(t, rows)
+  direct_loads = bs.direct_loads and t % rows == 0
+  if bs.direct_loads and not direct_loads:  # the ring after all
+    stages_of = functools.partial(
+      stages_of.func,
+      dataclasses.replace(bs, direct_loads=False),
+      **stages_of.keywords,
+    )
   return _Config(
     t=t,
     d=d,
@@ -275,11 +362,16 @@ def make_config(
     eps=float(eps),
     block_rows=rows,
     warps_per_row=wpr,
-    stages=stages,
+    stages=stages_of(rows)[0],
     num_blocks=min(bs.num_blocks, num_tiles),
     interpret=interpret,
-    direct_stores=bs.direct_stores,
+    direct_stores=bs.direct_stores or direct_loads,
     quantize=quantize,
+    direct_loads=direct_loads,
+    pdl=bs.pdl and not interpret,
+    store_hint=None if interpret else bs.store_hint,
+    order=bs.order,
+    out_slots=bs.out_slots,
   )
 
 
@@ -297,6 +389,86 @@ def _bcast_cols(v_d, cfg: _Config):
   )
 
 
+def _tiles(cfg: _Config):
+  """This block's tiles `(first, steps, stride)`: tile = first + i·stride."""
+  blk = lax.axis_index("blocks")
+  n, g = cfg.num_tiles, cfg.num_blocks
+  if cfg.order == "strided":
+    return blk, (n - blk + g - 1) // g, g
+  # Contiguous runs: the first `n mod g` blocks take one tile more.
+  q, r = divmod(n, g)
+  first = blk * q + jnp.minimum(blk, r)
+  return first, q + (blk < r).astype(jnp.int32), 1
+
+
+def _prologue(cfg: _Config):
+  """Programmatic dependent launch: wait for the previous kernel's memory
+  before touching global memory, and let the next kernel launch now (its
+  blocks take SMs as ours leave, and wait likewise)."""
+  if cfg.pdl:
+    plgpu.griddepcontrol_wait()
+    plgpu.griddepcontrol_launch_dependents()
+
+
+# L2 cache policies of `.L2::cache_hint` (CUTLASS's CacheHintSm90 values).
+_L2_POLICY = {"evict_first": 0x12F0000000000000}
+
+
+def _bulk_store(cfg: _Config, src_smem, dst_gmem, *, commit: bool):
+  """`plgpu.copy_smem_to_gmem` of a contiguous tile, with `cfg.store_hint`'s
+  L2 cache policy when set (`cp.async.bulk ... .L2::cache_hint`, which
+  Pallas does not expose). Clamped to the end of the array like Mosaic's
+  own bulk copy, so a ragged last tile writes only valid rows."""
+  if cfg.store_hint is None:
+    plgpu.copy_smem_to_gmem(src_smem, dst_gmem, commit_group=commit)
+    return
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 - only for this path
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+  policy = _L2_POLICY[cfg.store_hint]
+  total_elems = cfg.t * cfg.d
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def _(ctx, src, dst):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    index = ir.IndexType.get()
+    src_ty = ir.MemRefType(src.type)
+    bits = mgpu_utils.bitwidth(src_ty.element_type)
+    n = 1
+    for dim in src_ty.shape:
+      n *= dim
+    # Elements left in the destination array past this slice's start.
+    offset = memref.extract_strided_metadata(dst)[1]
+    total = arith.constant(index, total_elems)
+    left = arith.subi(total, arith.minui(offset, total))
+    nbytes = arith.minui(arith.constant(index, n), left)
+    nbytes = arith.index_cast(
+      i32, arith.muli(nbytes, arith.constant(index, bits // 8))
+    )
+    pred = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
+    llvm.inline_asm(
+      ir.Type.parse("!llvm.void"),
+      [
+        pred,
+        mgpu_utils.memref_ptr(dst),
+        mgpu_utils.memref_ptr(src),
+        nbytes,
+        arith.constant(i64, policy),
+      ],
+      "@$0 cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint"
+      " [$1], [$2], $3, $4;",
+      "b,l,l,r,l",
+      has_side_effects=True,
+    )
+    if commit:
+      nvvm.cp_async_bulk_commit_group()
+
+  _(src_smem, dst_gmem)
+
+
 def _pipeline(
   cfg: _Config,
   in_gmem,
@@ -306,22 +478,27 @@ def _pipeline(
   out_smem,
   out_tile_rows=None,
 ):
-  """Persistent loop over this block's tiles; yields (step, ins, store).
+  """Persistent loop over this block's tiles.
 
-  Returns a function `run(body, carry)`: `body(step, row0, in_refs, store,
-  carry) -> carry` reads the current tile from `in_refs` and calls
-  `store(values)` once with one entry per output: an array, or a function
-  that writes the output's shared-memory buffer. `out_tile_rows[i]`: 0 for
-  a `[t, d]` output; else `k`: the output has `k` rows per tile (tile `i`
-  writes rows `i·k ... i·k + k - 1`).
+  Returns a function `run(body, carry)`: `body(row0, load, store, carry)
+  -> carry` reads input `i` of the current tile as `load(i)` (an `[m, d]`
+  array in the row layout) and calls `store(values)` once with one entry
+  per output: an array, or a function that writes the output's
+  shared-memory buffer. `out_tile_rows[i]`: 0 for a `[t, d]` output; else
+  `k`: the output has `k` rows per tile (tile `i` writes rows `i·k ...
+  i·k + k - 1`).
+
+  Inputs arrive through a ring of `cfg.stages` SMEM buffers filled by bulk
+  copies (`fetch` of tile `i + stages` is issued once tile `i` is read),
+  or with `cfg.direct_loads` straight into registers, one tile ahead.
   """
-  m, g, s = cfg.block_rows, cfg.num_blocks, cfg.stages
-  blk = lax.axis_index("blocks")
-  num_steps = (cfg.num_tiles - blk + g - 1) // g
+  m = cfg.block_rows
+  first, num_steps, stride = _tiles(cfg)
   out_tile_rows = out_tile_rows or [0] * len(out_gmem)
+  layout = cfg.layout
 
   def rows(step, k=0):
-    tile = blk + step * g
+    tile = first + step * stride
     return pl.ds(tile * m, m) if not k else pl.ds(tile * k, k)
 
   def fetch(step, slot):
@@ -333,7 +510,54 @@ def _pipeline(
         oob_mode=plgpu.OOBFillMode.UNDEFINED,
       )
 
-  def run(body, carry):
+  def store_async(step, values):
+    slots = out_smem[0].shape[0]
+    out_slot = lax.rem(step, slots)
+    # The store issued `slots` steps ago from this buffer must have read
+    # it; later ones may still be in flight.
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    bufs = [buf.at[out_slot] for buf in out_smem]
+    for v, buf in zip(values, bufs, strict=True):
+      if callable(v):
+        v(buf)
+      else:
+        buf[...] = v.astype(buf.dtype)
+    plgpu.commit_smem()
+    for i, (buf, dst, k) in enumerate(
+      zip(bufs, out_gmem, out_tile_rows, strict=True)
+    ):
+      # Only `[t, d]` outputs are clamped by rows; per-tile outputs (the
+      # FP8 scales) are whole tiles.
+      sub = dataclasses.replace(cfg, store_hint=None) if k else cfg
+      _bulk_store(
+        sub, buf, dst.at[rows(step, k)], commit=i == len(out_smem) - 1
+      )
+
+  def store_direct(step, values):
+    # 16-byte st.global per lane, straight from registers.
+    for v, dst in zip(values, out_gmem, strict=True):
+      dst.at[rows(step)][...] = v.astype(dst.dtype)
+
+  def store_fn(step, row0):
+    def store(values):
+      if not cfg.direct_stores:
+        store_async(step, values)
+      elif not cfg.ragged:
+        store_direct(step, values)
+      else:
+        # Only the last tile is ragged: there the clamped bulk copy keeps
+        # the stores inside the array.
+        full = row0 + m <= cfg.t
+        pl.when(full)(lambda: store_direct(step, values))
+        pl.when(jnp.logical_not(full))(lambda: store_async(step, values))
+
+    return store
+
+  def row0_of(step):
+    return (first + step * stride) * m
+
+  def run_ring(body, carry):
+    s = cfg.stages
     for i in range(s):
 
       @pl.when(i < num_steps)
@@ -342,47 +566,14 @@ def _pipeline(
 
     def step_fn(step, carry):
       slot = lax.rem(step, s)
-      out_slot = lax.rem(step, out_smem[0].shape[0])
       plgpu.barrier_wait(barrier.at[slot])
+      ins = [r.at[slot] for r in in_smem]
 
-      def store_async(values):
-        # The store issued two steps ago from this buffer must have read it.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        bufs = [buf.at[out_slot] for buf in out_smem]
-        for v, buf in zip(values, bufs, strict=True):
-          if callable(v):
-            v(buf)
-          else:
-            buf[...] = v.astype(buf.dtype)
-        plgpu.commit_smem()
-        for i, (buf, dst, k) in enumerate(
-          zip(bufs, out_gmem, out_tile_rows, strict=True)
-        ):
-          plgpu.copy_smem_to_gmem(
-            buf,
-            dst.at[rows(step, k)],
-            commit_group=i == len(out_smem) - 1,
-          )
+      def load(i):
+        return plgpu.load(ins[i], layout=layout)
 
-      def store_direct(values):
-        # 16-byte st.global per lane, straight from registers.
-        for v, dst in zip(values, out_gmem, strict=True):
-          dst.at[rows(step)][...] = v.astype(dst.dtype)
-
-      def store(values):
-        if not cfg.direct_stores:
-          store_async(values)
-        elif not cfg.ragged:
-          store_direct(values)
-        else:
-          # Only the last tile is ragged: there the clamped bulk copy keeps
-          # the stores inside the array.
-          full = row0 + m <= cfg.t
-          pl.when(full)(lambda: store_direct(values))
-          pl.when(jnp.logical_not(full))(lambda: store_async(values))
-
-      row0 = (blk + step * g) * m
-      carry = body(row0, [r.at[slot] for r in in_smem], store, carry)
+      row0 = row0_of(step)
+      carry = body(row0, load, store_fn(step, row0), carry)
 
       @pl.when(step + s < num_steps)
       def _():
@@ -394,7 +585,29 @@ def _pipeline(
     plgpu.wait_smem_to_gmem(0)
     return carry
 
-  return run
+  def run_direct(body, carry):
+    # No ragged tiles here (make_config): every tile is in bounds.
+    def load_tile(step):
+      return [
+        plgpu.load(src.at[rows(step)], layout=layout, optimized=False)
+        for src in in_gmem
+      ]
+
+    def step(step, vals, carry):
+      row0 = row0_of(step)
+      return body(row0, lambda i: vals[i], store_fn(step, row0), carry)
+
+    def step_fn(i, state):
+      vals, carry = state
+      nxt = load_tile(i + 1)  # in flight while tile i is computed
+      return nxt, step(i, vals, carry)
+
+    vals, carry = lax.fori_loop(
+      0, num_steps - 1, step_fn, (load_tile(0), carry)
+    )
+    return step(num_steps - 1, vals, carry)
+
+  return run_direct if cfg.direct_loads else run_ring
 
 
 def _load_gamma(gamma_gmem, cfg: _Config):
@@ -445,15 +658,15 @@ def _fwd_kernel(cfg: _Config, *refs):
   if cfg.quantize:
     out_gmem += [q_gmem, s_gmem]
     tile_rows += [0, cfg.q_blocks]
-  layout = cfg.layout
+  _prologue(cfg)
   gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
   inv_d = 1.0 / cfg.d
 
-  def body(row0, ins, store, carry):
+  def body(row0, load, store, carry):
     del row0
-    h = plgpu.load(ins[0], layout=layout)
+    h = load(0)
     if cfg.has_residual:
-      h = h + plgpu.load(ins[1], layout=layout)  # in x's dtype, as reference
+      h = h + load(1)  # in x's dtype, as the reference
     h32 = h.astype(jnp.float32)
     ms_m = jnp.sum(h32 * h32, axis=1) * inv_d
     y = h32 * _bcast_rows(lax.rsqrt(ms_m + cfg.eps), cfg)
@@ -484,18 +697,19 @@ def _bwd_kernel(cfg: _Config, *refs):
   in_gmem = [h_gmem, dy_gmem] + ([dh_out_gmem] if cfg.has_residual else [])
   layout = cfg.layout
   m, d = cfg.block_rows, cfg.d
+  _prologue(cfg)
   gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
   inv_d = 1.0 / d
 
-  def body(row0, ins, store, acc):
-    h = plgpu.load(ins[0], layout=layout).astype(jnp.float32)
-    dy = plgpu.load(ins[1], layout=layout).astype(jnp.float32)
+  def body(row0, load, store, acc):
+    h = load(0).astype(jnp.float32)
+    dy = load(1).astype(jnp.float32)
     g = dy if gamma is None else dy * _bcast_cols(gamma, cfg)
     r_m = lax.rsqrt(jnp.sum(h * h, axis=1) * inv_d + cfg.eps)
     c_m = r_m * r_m * r_m * (jnp.sum(g * h, axis=1) * inv_d)
     dh = g * _bcast_rows(r_m, cfg) - h * _bcast_rows(c_m, cfg)
     if cfg.has_residual:
-      dh = dh + plgpu.load(ins[2], layout=layout).astype(jnp.float32)
+      dh = dh + load(2).astype(jnp.float32)
     store([dh])
     if gamma is None:
       return acc
@@ -521,19 +735,21 @@ def _bwd_kernel(cfg: _Config, *refs):
 
 def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
   m, d = cfg.block_rows, cfg.d
-  out_bufs = [
-    plgpu.SMEM((1 if cfg.direct_stores else 2, m, d), cfg.dtype)
-    for _ in range(n_out)
-  ]
+  # Direct stores keep one buffer for the clamped ragged tile; direct loads
+  # (never ragged) and their ring need none, but the kernels take the refs.
+  slots = 1 if cfg.direct_stores else cfg.out_slots
+  stages = 1 if cfg.direct_loads else cfg.stages
+  rows = 1 if cfg.direct_loads else m
+  out_bufs = [plgpu.SMEM((slots, rows, d), cfg.dtype) for _ in range(n_out)]
   if cfg.quantize and kernel is _fwd_kernel:
     out_bufs += [
-      plgpu.SMEM((2, m, d), fp8_format.E4M3),
-      plgpu.SMEM((2, cfg.q_blocks, m), jnp.float32),
+      plgpu.SMEM((slots, m, d), fp8_format.E4M3),
+      plgpu.SMEM((slots, cfg.q_blocks, m), jnp.float32),
     ]
   scratch = [
-    [plgpu.SMEM((cfg.stages, m, d), cfg.dtype) for _ in range(n_in)],
+    [plgpu.SMEM((stages, rows, d), cfg.dtype) for _ in range(n_in)],
     out_bufs,
-    plgpu.Barrier(num_arrivals=n_in, num_barriers=cfg.stages),
+    plgpu.Barrier(num_arrivals=n_in, num_barriers=stages),
     *extra_scratch,
   ]
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -548,6 +764,9 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
       f"rms_norm{kernel.__name__}_d{cfg.d}_m{cfg.block_rows}"
       f"_w{cfg.warps_per_row}_s{cfg.stages}_r{cfg.has_residual:d}"
       f"_g{cfg.gamma_dtype is not None:d}_q{cfg.quantize:d}"
+      f"_b{cfg.num_blocks}_{cfg.order[0]}{cfg.out_slots}"
+      f"{'_dl' if cfg.direct_loads else '_ds' if cfg.direct_stores else ''}"
+      f"{'_pdl' if cfg.pdl else ''}{'_ef' if cfg.store_hint else ''}"
     ),
     interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
   )
@@ -609,14 +828,17 @@ def rms_norm_bwd(h_td, dy_td, dh_out_td, gamma_d, cfg: _Config):
 
 def smem_bytes(cfg: _Config, *, bwd: bool) -> int:
   itemsize = jnp.dtype(cfg.dtype).itemsize
-  tile = cfg.block_rows * cfg.d * itemsize
+  m, d = cfg.block_rows, cfg.d
+  tile = m * d * itemsize
   n_in = 2 + cfg.has_residual if bwd else 1 + cfg.has_residual
   n_out = 1 if bwd else 1 + cfg.has_residual
-  acc = cfg.block_rows * cfg.d * 4 if bwd and cfg.gamma_dtype else 0
-  out_slots = 1 if cfg.direct_stores else 2
+  acc = m * d * 4 if bwd and cfg.gamma_dtype else 0
+  if cfg.direct_loads:
+    return (n_in + n_out) * d * itemsize + acc
+  out_slots = 1 if cfg.direct_stores else cfg.out_slots
   quant = 0
   if cfg.quantize and not bwd:
-    quant = 2 * cfg.block_rows * (cfg.d + cfg.q_blocks * 4)
+    quant = out_slots * m * (d + cfg.q_blocks * 4)
   return cfg.stages * n_in * tile + out_slots * n_out * tile + acc + quant
 
 

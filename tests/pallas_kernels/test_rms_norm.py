@@ -6,6 +6,7 @@ the ring of buffers and a ragged last tile are all exercised. The `gpu`
 tests compile for real on the H200 at the benchmark's shapes.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -77,6 +78,7 @@ def _check(fn, x, g, r, key, *, dtype):
 
 
 def _small(block_rows=None, warps_per_row=None, direct_stores=False):
+  """`BlockSizes` for interpret-mode tests."""
   # Two persistent blocks, small tiles: several tiles per block, the ring of
   # buffers wraps, and the last tile is ragged.
   return mosaic_gpu.BlockSizes(
@@ -116,6 +118,67 @@ def test_matches_reference(
     )
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
+
+
+@pytest.mark.parametrize("with_gamma,with_residual", [(True, True)])
+@pytest.mark.parametrize(
+  "t,d,extra",
+  [
+    # Registers straight from global memory, one tile ahead (fwd and bwd).
+    (48, 64, dict(block_rows=16, direct_loads=True)),
+    (16, 64, dict(block_rows=16, direct_loads=True)),  # one tile per block
+    # Ragged: direct loads fall back to the ring.
+    (37, 64, dict(block_rows=16, direct_loads=True)),
+    # Consecutive tiles per block (3 + 2 of 5), ragged last tile.
+    (70, 64, dict(block_rows=16, order="contiguous")),
+    # Three output buffers: stores drain over two later tiles.
+    (101, 64, dict(block_rows=16, out_slots=3)),
+  ],
+)
+def test_pipeline_variants(t, d, extra, with_gamma, with_residual):
+  key = jax.random.key(t * 7 + d)
+  dtype = jnp.float32
+  x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
+  bs = dataclasses.replace(_small(), **extra)
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+    )
+
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
+
+
+def test_balanced_rows_fill_the_last_wave():
+  """The forward's default tile is the row count near 16 KiB whose busiest
+  block has the fewest rows (T=262,144, D=512: 16384 tiles of 16 rows leave
+  the 125th wave 12% full; tiles of 12 rows give 166 waves, 50% full)."""
+  t, g = 262_144, 132
+
+  def cfg(d, **kw):
+    return mosaic_gpu.make_config(
+      t,
+      d,
+      jnp.bfloat16,
+      jnp.bfloat16,
+      True,
+      1e-6,
+      mosaic_gpu.BlockSizes(**kw),
+      False,
+      bwd=False,
+    )
+
+  busiest = lambda c: math.ceil(math.ceil(t / c.block_rows) / g) * c.block_rows
+  for d in (512, 2048):
+    balanced, plain = cfg(d), cfg(d, balance=False)
+    assert busiest(balanced) <= busiest(plain)
+    assert balanced.stages >= 2
+    assert mosaic_gpu.smem_bytes(balanced, bwd=False) <= 200 * 1024
+  assert cfg(512).block_rows == 12 and busiest(cfg(512)) == 1992
+  assert cfg(512, balance=False).block_rows == 16
+  # Direct loads keep to tiles that divide t.
+  assert t % cfg(512, direct_loads=True).block_rows == 0
+  assert cfg(512, direct_loads=True).direct_loads
 
 
 def test_qk_norm_shape_under_grad():
@@ -218,22 +281,29 @@ def test_default_dispatch_on_cpu_is_xla():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "shape,with_gamma,with_residual,direct",
+  "shape,with_gamma,with_residual,extra",
   [
     # Ragged tails on real hardware, where rows past `t` hold stale SMEM.
     *[((262_144 + 37, 512), g, r, None) for g, r in VARIANTS],
     ((65_536 + 3, 2048), True, True, None),  # bwd: rows over 2 warps
     ((4_099, 8, 64), True, False, None),  # QK-norm: 4 rows per warp
     # Both store paths explicitly, ragged.
-    ((262_144 + 37, 512), True, True, True),
-    ((65_536 + 3, 2048), True, True, True),
-    ((262_144 + 37, 512), True, True, False),
+    ((262_144 + 37, 512), True, True, dict(direct_stores=True)),
+    ((65_536 + 3, 2048), True, True, dict(direct_stores=True)),
+    ((262_144 + 37, 512), True, True, dict(direct_stores=False)),
+    # Pipeline variants (benchmarks/rms_norm.py --variants).
+    ((262_144, 512), True, True, dict(direct_loads=True)),
+    ((65_536, 2048), True, True, dict(direct_loads=True, num_blocks=264)),
+    ((262_144 + 37, 512), True, True, dict(store_hint="evict_first")),
+    ((65_536 + 3, 2048), True, True, dict(store_hint="evict_first")),
+    ((262_144 + 37, 512), True, True, dict(order="contiguous", pdl=False)),
+    ((65_536 + 3, 2048), True, True, dict(out_slots=4, stages=2)),
   ],
 )
-def test_gpu_matches_reference(shape, with_gamma, with_residual, direct):
+def test_gpu_matches_reference(shape, with_gamma, with_residual, extra):
   key = jax.random.key(shape[0])
   x, g, r = _inputs(key, shape, jnp.bfloat16, with_gamma, with_residual)
-  bs = None if direct is None else mosaic_gpu.BlockSizes(direct_stores=direct)
+  bs = None if extra is None else mosaic_gpu.BlockSizes(**extra)
 
   def fn(x, g, r):
     return rms_norm_mosaic(
