@@ -30,8 +30,10 @@ consumer warpgroups read them into registers (free of bank conflicts, which
 plain row-major memory would have 8-way). K and V go on into the tiled
 layout; Q stays in registers as wgmma's A operand, so its ring slot is
 free again before any math. That pass is where RoPE is applied to Q and K
-(rotation of the two halves, `cos`/`sin` rows of the tile's positions from
-a small table, two f16 terms per value, see `rope_table`) and where the
+(rotation of the two halves by `cos`/`sin` of the tile's positions, see
+`rope_table`: the forward forms them once per tile by angle addition from
+a 64-row table kept in shared memory and a 512-byte row of bases, and
+keeps them in registers for all the tile's heads) and where the
 zero-fill happens, so it costs no extra trip: only V (and dO) move without
 other work. Outputs leave the same way back: a whole tile through a
 swizzled buffer, a sequence's last partial tile through a plain one (the
@@ -144,15 +146,22 @@ def work_items(offsets, t: int):
 
 
 def rope_table(max_len: int, h: int, theta: float):
-  """`f16[4, rows, h/2]`: cos and sin of positions `0..rows)`, each as two
-  f16 terms (`cos = [0] + [1]`, `sin = [2] + [3]`), rows a multiple of 64
-  (the kernels read one 64-row slice per tile).
+  """RoPE constants: (`f16[4, rows, h/2]`, `f32[rows / 64, 2, h/2]`).
 
-  Why two f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte rows,
-  one swizzle atom, so it loads into registers without bank conflicts
+  The table: cos and sin of positions `0..rows)` (rows a multiple of 64),
+  each as two f16 terms (`cos = [0] + [1]`, `sin = [2] + [3]`). Why two
+  f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte rows, one
+  swizzle atom, so it loads into registers without bank conflicts
   (`mosaic.smem_swizzled`); f32 planes (256-byte rows) cannot. The pair
-  keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). Built with numpy at
-  trace time: a constant, no trigonometry per call.
+  keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). The backward reads
+  one 64-row window per tile.
+
+  The bases: cos and sin of every tile's first position `64 i`. The
+  forward keeps only the table's first 64 rows (angles `r f`, `r < 64`)
+  in shared memory for the whole kernel and forms a tile's angles
+  `(64 i + r) f` by angle addition with the tile's bases (512 bytes a
+  tile instead of a 32 KiB window). Built with numpy at trace time:
+  constants, no trigonometry per call.
   """
   rows = -(-max(max_len, 1) // TILE) * TILE
   freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
@@ -162,10 +171,11 @@ def rope_table(max_len: int, h: int, theta: float):
     exact = f(ang)
     hi = exact.astype(np.float16)
     planes += [hi, (exact - hi.astype(np.float64)).astype(np.float16)]
-  return jnp.asarray(np.stack(planes))
+  bases = np.stack([np.cos(ang[::TILE]), np.sin(ang[::TILE])], axis=1)
+  return jnp.asarray(np.stack(planes)), jnp.asarray(bases, jnp.float32)
 
 
-_CS_BYTES = 4 * TILE * TILE * 2  # one tile's RoPE rows: 4 f16 [64, h/2]
+_CS_BYTES = 4 * TILE * TILE * 2 + 512  # RoPE rows: 4 f16 [64, h/2], bases
 
 
 def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
@@ -212,22 +222,37 @@ def _cos_sin(cs):
   return f32[0] + f32[1], f32[2] + f32[3]
 
 
-def _load_parts(raw, cs=None):
+def _shifted_cos_sin(cs, base):
+  """f32 cos and sin `[64, 64]` of positions `pos0 + r` (`r < 64`) by angle
+  addition: `cs` holds the table's first 64 rows (angles `r f`), `base`
+  (`f32[2, h/2]`) cos and sin of `pos0 f`, broadcast down the rows."""
+  cos_r, sin_r = _cos_sin(cs)
+  cos_b, sin_b = (
+    lax.broadcast_in_dim(
+      plgpu.load(base.at[i], layout=_L.reduce(0)), cos_r.shape, [1]
+    )
+    for i in range(2)
+  )
+  return cos_b * cos_r - sin_b * sin_r, sin_b * cos_r + cos_b * sin_r
+
+
+def _load_parts(raw, rot=None):
   """The parts of a swizzled `[parts * 64, 64]` tile in registers, rotated
-  by RoPE (`cs`: the tile's table rows; then f32) if given."""
+  by RoPE (`rot`: f32 cos and sin of the tile's positions; then f32) if
+  given."""
   xs = [plgpu.load(part, layout=_L) for part in _all_parts(raw)]
-  if cs is None:
+  if rot is None:
     return xs
   x1, x2 = (x.astype(jnp.float32) for x in xs)  # the halves RoPE pairs
-  cos, sin = _cos_sin(cs)
+  cos, sin = rot
   return [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
 
 
-def _relayout(raw, dst, *, cs=None, keep_rows=None):
+def _relayout(raw, dst, *, rot=None, keep_rows=None):
   """Swizzled row-major `[parts * 64, 64]` -> tiled `dst` (same shape),
-  rotating the two halves by RoPE (`cs`) and zeroing rows `>= keep_rows`
-  (None: keep all)."""
-  for p, x in enumerate(_load_parts(raw, cs)):
+  rotating the two halves by RoPE (`rot`, see `_load_parts`) and zeroing
+  rows `>= keep_rows` (None: keep all)."""
+  for p, x in enumerate(_load_parts(raw, rot)):
     if keep_rows is not None:
       x = mosaic.select(mosaic.iota(x.shape, 0) < keep_rows, x, 0)
     _part(dst, p)[...] = x.astype(dst.dtype)
@@ -262,9 +287,9 @@ def _load_tile(src_ref, rows, head, dst, barrier):
     )
 
 
-def _unrope(a, b, cs):
+def _unrope(a, b, rot):
   """RoPE backward on the two f32 halves of a gradient: rotate by -angle."""
-  cos, sin = _cos_sin(cs)
+  cos, sin = rot
   return a * cos + b * sin, b * cos - a * sin
 
 
@@ -317,14 +342,15 @@ def _load_kv(j, rows, kv_head, refs, buffers):
   _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
 
 
-def _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free):
-  """The RoPE rows of positions `pos0...` once the table buffer is free."""
+def _load_cs(j, src, dst, bar, free):
+  """Tile `j`'s RoPE rows `src` (a window of the table or of its bases)
+  once the buffer `dst` is free."""
 
   @pl.when(j > 0)
   def _():
-    plgpu.barrier_wait(cs_free)
+    plgpu.barrier_wait(free)
 
-  plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(pos0, TILE)], csm, cs_bar)
+  plgpu.copy_gmem_to_smem(src, dst, bar)
 
 
 def _store_rows(src, dst_ref, row, head, count):
@@ -419,12 +445,13 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, *rest):
     if rope:
-      cs_ref, o_ref, *scratch = rest
+      cs_ref, base_ref, o_ref, *scratch = rest
     else:
       o_ref, *scratch = rest
-      cs_ref = None
-    (k_raw, v_raw, k_t, v_t, q_raw, o_sw, o_pl, csm) = scratch[:8]
-    (kv_bar, cs_bar, raw_free, cs_free, q_bar, q_free, sync) = scratch[8:]
+      cs_ref = base_ref = None
+    (k_raw, v_raw, k_t, v_t, q_raw, o_sw, o_pl, csm, base) = scratch[:9]
+    (kv_bar, cs_bar, base_bar, raw_free, base_free) = scratch[9:14]
+    (q_bar, q_free, sync) = scratch[14:]
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -452,16 +479,22 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
       def run(wg_i):
         heads = heads_of[wg_i]
+        if rope:
+          plgpu.barrier_wait(cs_bar)  # the table's first 64 rows, once
 
         def body(j, _):
           row, valid, _, tail = item(j)
           keep = (1 - tail).astype(jnp.float32)
+          rot = None
+          if rope:
+            # This tile's cos and sin, kept in registers for all its heads.
+            plgpu.barrier_wait(base_bar)
+            rot = _shifted_cos_sin(csm, base)
+            mosaic.release(base_free)
           plgpu.barrier_wait(kv_bar)
           # K (with RoPE) by warpgroup 0, V by the last one.
           if wg_i == 0:
-            if rope:
-              plgpu.barrier_wait(cs_bar)
-            _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
+            _relayout(k_raw, k_t, rot=rot, keep_rows=valid)
           if wg_i == nwg - 1:
             _relayout(v_raw, v_t, keep_rows=valid)
           mosaic.release(raw_free)
@@ -469,15 +502,11 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           for jj, g in enumerate(heads):
             _, slot, qb = q_slot(wg_i, j, jj)
             plgpu.barrier_wait(q_bar.at[qb])
-            if rope and wg_i != 0 and jj == 0:
-              plgpu.barrier_wait(cs_bar)
             # Q straight into registers (wgmma's A operand): its slot is
             # free for the next load before any math on it.
-            qs = _load_parts(q_raw.at[wg_i, slot], csm if rope else None)
+            qs = _load_parts(q_raw.at[wg_i, slot], rot)
             qs = [x.astype(dtype) for x in qs]
             mosaic.release(q_free.at[qb])
-            if rope and jj == len(heads) - 1:
-              mosaic.release(cs_free)  # last use of this tile's RoPE rows
             x = _scores(qs, k_t, static)
             p = _probs(x * c, valid, static).astype(dtype)
             os = [
@@ -523,17 +552,20 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         row, _, pos0, _ = item(j)
         rows = pl.ds(row, TILE)
         _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
-        # Each warpgroup's first query, then the RoPE rows (free once the
-        # previous tile's last queries are rotated), then the rest.
+        # Each warpgroup's first query, then the RoPE bases (free once the
+        # previous tile's cos and sin are in registers), then the rest.
         for wg_i in range(nwg):
           load_q(j, rows, wg_i, 0)
         if rope:
-          _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free)
+          src = base_ref.at[lax.div(pos0, TILE)]
+          _load_cs(j, src, base, base_bar, base_free)
         for wg_i in range(nwg):
           for jj in range(1, jobs[wg_i]):
             load_q(j, rows, wg_i, jj)
         return 0
 
+      if rope:  # the table's first 64 rows (angles r f), for every tile
+        plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(0, TILE)], csm, cs_bar)
       lax.fori_loop(0, n_steps, body, 0)
 
       # Observe the last releases (every barrier phase consumed).
@@ -541,7 +573,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
       def _():
         plgpu.barrier_wait(raw_free)
         if rope:
-          plgpu.barrier_wait(cs_free)
+          plgpu.barrier_wait(base_free)
 
       for wg_i in range(nwg):
         total = n_steps * jobs[wg_i]
@@ -561,15 +593,17 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     swizzled((nwg, *tile), dtype),
     plain((nwg, *tile), dtype),
     swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
+    plain((2, h // 2), jnp.float32) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
-    plgpu.Barrier() if rope else None,
+    plgpu.Barrier() if rope else None,  # the table's first rows
+    plgpu.Barrier() if rope else None,  # a tile's bases
     plgpu.Barrier(num_arrivals=nwg),
     plgpu.Barrier(num_arrivals=nwg) if rope else None,
     plgpu.Barrier(num_arrivals=parts, num_barriers=nwg * stages),
     plgpu.Barrier(num_barriers=nwg * stages),
     plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
   ]
-  args = [items, dealt, counts, q, k, v] + ([cs] if rope else [])
+  args = [items, dealt, counts, q, k, v] + (list(cs) if rope else [])
   return _launch(
     kernel,
     scratch,
@@ -664,7 +698,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         _relayout(v_raw, v_t, keep_rows=valid)
         if rope:
           plgpu.barrier_wait(cs_bar)
-        _relayout(k_raw, k_t, cs=csm if rope else None, keep_rows=valid)
+        rot = _cos_sin(csm) if rope else None
+        _relayout(k_raw, k_t, rot=rot, keep_rows=valid)
         plgpu.commit_smem()
         plgpu.barrier_arrive(raw_free)
         dk = tuple(_zeros((TILE, hp)) for _ in range(parts))
@@ -673,7 +708,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         def head_step(g, carry):
           dk, dv = carry
           plgpu.barrier_wait(qd_bar)
-          _relayout(q_raw, q_t, cs=csm if rope else None)
+          _relayout(q_raw, q_t, rot=_cos_sin(csm) if rope else None)
           _relayout(do_raw, do_t, keep_rows=valid)
           plgpu.commit_smem()
           plgpu.barrier_arrive(qd_free)
@@ -701,7 +736,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
             mosaic.matmul(ds_s, _part(k_t, i), (TILE, hp)) for i in range(parts)
           ]
           if rope:
-            dq = _unrope(*dq, csm)
+            dq = _unrope(*dq, _cos_sin(csm))
           out = [a * (scale * keep) for a in dq]
           stage_out(out, dq_ref, row, kv_head * group + g, valid)
           return dk, dv
@@ -709,7 +744,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         dk, dv = lax.fori_loop(0, group, head_step, (dk, dv))
         # Epilogue: RoPE backward of dK, then one store of dK and dV.
         if rope:
-          dk = _unrope(*dk, csm)
+          dk = _unrope(*dk, _cos_sin(csm))
           # Last read of this tile's table (see `mosaic.release`).
           mosaic.release(cs_free)
         stage_out([a * (scale * keep) for a in dk], dk_ref, row, kv_head, valid)
@@ -738,7 +773,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         rows = pl.ds(row, TILE)
         _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
         if rope:
-          _load_cs(j, pos0, cs_ref, csm, cs_bar, cs_free)
+          src = cs_ref.at[:, pl.ds(pos0, TILE)]
+          _load_cs(j, src, csm, cs_bar, cs_free)
         load_qd(rows, j * group, 0)
 
         @pl.loop(1, group)
@@ -779,7 +815,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     plgpu.Barrier(num_arrivals=2 * parts),  # Q and dO
     plgpu.Barrier(),
   ]
-  args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
+  args = [items, dealt, counts, q, k, v, do] + ([cs[0]] if rope else [])
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
   return _launch(
     kernel,

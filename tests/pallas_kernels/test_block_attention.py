@@ -164,14 +164,24 @@ def test_work_items_cover_every_row_once():
 
 def test_rope_table_matches_reference():
   h, theta = 128, 10_000.0
-  cs = mg.rope_table(200, h, theta)
+  cs, bases = mg.rope_table(200, h, theta)
   assert cs.shape == (4, 256, h // 2) and cs.dtype == jnp.float16
+  assert bases.shape == (4, 2, h // 2) and bases.dtype == jnp.float32
   # Two f16 terms per value carry it to f32-like accuracy.
   planes = np.asarray(cs, np.float64)
   ang = np.arange(256)[:, None] * theta ** (-np.arange(0, h, 2) / h)
   for fn, (hi, lo) in ((np.cos, planes[:2]), (np.sin, planes[2:])):
     assert np.abs(hi + lo - fn(ang)).max() < 2.0**-22
     assert np.abs(hi - fn(ang)).max() > 2.0**-14  # one term would not do
+  # The forward's angle addition (tile bases with the first 64 rows), in
+  # f32 as the kernel does it, stays within a few f32 ulps.
+  f32 = np.asarray(cs, np.float32)
+  cos_r, sin_r = (f32[0] + f32[1])[:64], (f32[2] + f32[3])[:64]
+  b = np.asarray(bases)
+  cos = b[:, 0, None] * cos_r - b[:, 1, None] * sin_r
+  sin = b[:, 1, None] * cos_r + b[:, 0, None] * sin_r
+  assert np.abs(cos.reshape(256, -1) - np.cos(ang)).max() < 1e-6
+  assert np.abs(sin.reshape(256, -1) - np.sin(ang)).max() < 1e-6
   # The rotation it gives agrees with the reference's (whose f32 angles
   # are off by up to |angle| * 2^-24, ~1e-5 at position 200).
   pos = jnp.arange(200)
