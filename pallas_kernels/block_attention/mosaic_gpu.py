@@ -414,6 +414,24 @@ def _scores(qs, k_t, static):
   return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
 
 
+def _pv(p, v_t, static, then=None):
+  """`P V` as f32 column parts, and the value of `then()`, which runs
+  while the wgmmas are in flight (None if not given)."""
+  vs = _all_parts(v_t)
+  if static.interpret is not None:  # see `mosaic.accumulate`
+    os = [jnp.dot(p, v[...], preferred_element_type=jnp.float32) for v in vs]
+    return os, then() if then else None
+
+  def scoped(*accs):
+    for acc, v in zip(accs, vs, strict=True):
+      plgpu.wgmma(acc, p, v)
+    extra = then() if then else None
+    return [acc[...] for acc in accs], extra
+
+  acc = plgpu.ACC((TILE, v_t.shape[-1]), jnp.float32)
+  return pl.run_scoped(scoped, *[acc] * len(vs))
+
+
 def _heads_of(wg, group, nwg):
   return [g for g in range(group) if g % nwg == wg]
 
@@ -491,6 +509,20 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
             plgpu.barrier_wait(base_bar)
             rot = _shifted_cos_sin(csm, base)
             mosaic.release(base_free)
+
+          def query(jj):
+            """Query head `jj` straight into registers (wgmma's A
+            operand): its slot is free for the next load before any math
+            on it."""
+            _, slot, qb = q_slot(wg_i, j, jj)
+            plgpu.barrier_wait(q_bar.at[qb])
+            qs = _load_parts(q_raw.at[wg_i, slot], rot)
+            mosaic.release(q_free.at[qb])
+            return [x.astype(dtype) for x in qs]
+
+          # The first query before the K / V relayout: its rotation fills
+          # what the unequal shares (K rotated, V not) would leave idle.
+          qs = query(0)
           plgpu.barrier_wait(kv_bar)
           # K (with RoPE) by warpgroup 0, V by the last one.
           if wg_i == 0:
@@ -500,21 +532,11 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           mosaic.release(raw_free)
           sync_wgs(0)  # both tiled K and V are in place
           for jj, g in enumerate(heads):
-            _, slot, qb = q_slot(wg_i, j, jj)
-            plgpu.barrier_wait(q_bar.at[qb])
-            # Q straight into registers (wgmma's A operand): its slot is
-            # free for the next load before any math on it.
-            qs = _load_parts(q_raw.at[wg_i, slot], rot)
-            qs = [x.astype(dtype) for x in qs]
-            mosaic.release(q_free.at[qb])
             x = _scores(qs, k_t, static)
             p = _probs(x * c, valid, static).astype(dtype)
-            os = [
-              mosaic.accumulate(
-                _zeros((TILE, hp)), p, _part(v_t, part), static.interpret
-              )
-              for part in range(parts)
-            ]
+            # The next query is rotated while P V runs.
+            nxt = (lambda jj=jj: query(jj + 1)) if jj + 1 < len(heads) else None
+            os, qs = _pv(p, v_t, static, nxt)
             _store_tile(
               [(o * keep).astype(dtype) for o in os],
               o_sw.at[wg_i],
