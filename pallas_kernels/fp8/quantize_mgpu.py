@@ -2,8 +2,9 @@
 
 One pass over `x_rc` (bf16): optional random Hadamard transform, block maxima,
 power-of-two scales, optional stochastic rounding, e4m3 cast; writes the
-values `v_rc` and the scales. Each program (one warpgroup) owns a
-`64 x 128` tile of `x`:
+values `v_rc` and the scales. Each program (one warpgroup) walks a column
+of `tile_r x 128` tiles of `x` (`tile_r` = 64 or 128, processed as 64-row
+parts) through a TMA pipeline of `stages` tiles:
 
 1. TMA brings the tile into shared memory.
 2. Hadamard: one wgmma of the tile with `blockdiag(D H)` (+-1 entries, exact
@@ -14,15 +15,24 @@ values `v_rc` and the scales. Each program (one warpgroup) owns a
    then the maximum over 32 rows, which spans two warps: the 64 row maxima go
    through shared memory and come back as a column vector, whose maximum
    along the row is again a reduction inside the warp. No atomics.
-4. Scale, rounding (RN or stochastic, with counter-based random bits from
-   `hash32(row * c + col ^ seed)`), cast: the same integer arithmetic as the
-   reference (`format.py`), so kernel and reference agree bit for bit up to
-   the order of the Hadamard sums.
+4. Scale and rounding. Round to nearest: the hardware conversion
+   `cvt.rn.satfinite.e4m3x2.f32` (two elements per instruction), which is
+   round-to-nearest-even onto the e4m3 grid, subnormals included; since
+   `|x / s| <= 448` saturation never acts, so it equals the reference's
+   integer emulation (`format.round_e4m3`) bit for bit (~12 integer ops per
+   element fewer). Stochastic rounding has no Hopper instruction: the
+   reference's integer arithmetic with counter-based random bits from
+   `hash32(row * c + col ^ seed)`. Kernel and reference agree bit for bit up
+   to the order of the Hadamard sums.
 5. Values and scales go back by TMA. Scales are written in the layout the
    matmul kernel reads, one per (column block, row): `se_Cr`, `[c/bc, r]`;
    the wrapper derives the compact `s_RC` from it.
 
-`r` must be a multiple of 64 and `c` of 128 (the wrapper pads).
+`r` must be a multiple of 64 and `c` of 128 (the wrapper pads); 128-row
+tiles need `r % 128 == 0` (else 64-row tiles are used). Shared memory:
+`stages` input tiles (bf16), two output tiles (e4m3) and their scales, and
+the Hadamard matrix only when one is applied (a smaller footprint lets more
+programs share an SM, which is what hides the memory latency here).
 """
 
 import functools
@@ -37,11 +47,16 @@ from pallas_kernels.fp8 import format as fmt
 
 TILE_R = 64
 TILE_C = 128
+# Tile rows and pipeline depth (see `quantize_mgpu`); the H200 figures are in
+# .notes/fp8.md.
+DEFAULT_TILE_R = 64
+DEFAULT_STAGES = 2
 SUPPORTED_BLOCKS = ((32, 32), (1, 128))
 SUPPORTED_HADAMARD = (None, 32, 64, 128)
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
+_BF16_TILES = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _bcast_rows(v, shape):
@@ -52,7 +67,6 @@ def _quantize_chunk(y, amax, seed_b, row0, col0, n_cols, sr: bool):
   """Scale, round and cast one `[64, w]` chunk; returns (e4m3, scale)."""
   scale, inv = fmt.pow2_scale(amax)
   y = y * _bcast_rows(inv, y.shape)
-  bits = None
   if sr:
     rows = plgpu.broadcasted_iota(
       jnp.int32, y.shape, 0, layout=plgpu.Layout.WGMMA
@@ -61,7 +75,9 @@ def _quantize_chunk(y, amax, seed_b, row0, col0, n_cols, sr: bool):
       jnp.int32, y.shape, 1, layout=plgpu.Layout.WGMMA
     )
     bits = fmt.random_bits(seed_b, rows + row0, cols + col0, n_cols)
-  return fmt.round_e4m3(y, bits).astype(fmt.E4M3), scale
+    return fmt.round_e4m3(y, bits).astype(fmt.E4M3), scale
+  # Round to nearest even: the hardware cvt (see the module docstring).
+  return y.astype(fmt.E4M3), scale
 
 
 def _tile_body(
@@ -109,29 +125,31 @@ def _kernel(
   seed_gmem,
   q_gmem,
   se_gmem,
-  h_smem,
-  seed_smem,
-  rm_smem,
-  qo_smem,
-  so_smem,
-  bar,
-  *,
+  *scratch,
   block,
   hb,
   sr,
   n_cols,
   steps,
-  max_concurrent_steps,
+  tile_r,
+  stages,
 ):
+  if hb is None:
+    h_smem = None
+    seed_smem, rm_smem, qo_smem, so_smem, bar = scratch
+  else:
+    h_smem, seed_smem, rm_smem, qo_smem, so_smem, bar = scratch
   cb = TILE_C // block[1]  # scale rows per tile
+  parts = tile_r // TILE_R
   ct, rt = lax.axis_index("c"), lax.axis_index("r")
-  rows = pl.ds(rt * (steps * TILE_R), steps * TILE_R)
+  rows = pl.ds(rt * (steps * tile_r), steps * tile_r)
   if hb is not None:
     plgpu.copy_gmem_to_smem(h_gmem, h_smem, bar.at[0])
     plgpu.barrier_wait(bar.at[0])
   if sr:
     plgpu.copy_gmem_to_smem(seed_gmem, seed_smem, bar.at[1])
     plgpu.barrier_wait(bar.at[1])
+  seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
 
   def body(idx, x_smem):
     (s,) = idx
@@ -139,31 +157,33 @@ def _kernel(
     # The stores issued two steps ago read this slot: let them finish (each
     # step commits two bulk groups, values and scales).
     plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-    if hb is None:
-      xh = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    else:
+    for part in range(parts):
+      prow = pl.ds(part * TILE_R, TILE_R)
+      if hb is None:
+        xh = plgpu.load(x_smem.at[prow], layout=plgpu.Layout.WGMMA)
+        xh = xh.astype(jnp.float32)
+      else:
 
-      def mm(acc_ref):
-        plgpu.wgmma(acc_ref, x_smem, h_smem)
-        return acc_ref[...]
+        def mm(acc_ref, prow=prow):
+          plgpu.wgmma(acc_ref, x_smem.at[prow], h_smem)
+          return acc_ref[...]
 
-      xh = pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32))
-      xh = xh * fmt.hadamard_norm(hb)
-    seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
-    _tile_body(
-      xh,
-      seed,
-      rm_smem.at[slot],
-      qo_smem.at[slot],
-      so_smem.at[slot],
-      block=block,
-      row0=(rt * steps + s) * TILE_R,
-      col0=ct * TILE_C,
-      n_cols=n_cols,
-      sr=sr,
-    )
+        xh = pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32))
+        xh = xh * fmt.hadamard_norm(hb)
+      _tile_body(
+        xh,
+        seed,
+        rm_smem.at[slot, part],
+        qo_smem.at[slot, prow],
+        so_smem.at[slot, :, prow],
+        block=block,
+        row0=(rt * steps + s) * tile_r + part * TILE_R,
+        col0=ct * TILE_C,
+        n_cols=n_cols,
+        sr=sr,
+      )
     plgpu.commit_smem()
-    tile_rows = pl.ds((rt * steps + s) * TILE_R, TILE_R)
+    tile_rows = pl.ds((rt * steps + s) * tile_r, tile_r)
     plgpu.copy_smem_to_gmem(
       qo_smem.at[slot], q_gmem.at[tile_rows, pl.ds(ct * TILE_C, TILE_C)]
     )
@@ -171,15 +191,15 @@ def _kernel(
       so_smem.at[slot], se_gmem.at[pl.ds(ct * cb, cb), tile_rows]
     )
 
-  swz = plgpu.SwizzleTransform(128)
-  bf16_tiles = (plgpu.TilingTransform((8, 64)), swz)
   plgpu.emit_pipeline(
     body,
     grid=(steps,),
     in_specs=[
-      plgpu.BlockSpec((TILE_R, TILE_C), lambda s: (s, 0), transforms=bf16_tiles)
+      plgpu.BlockSpec(
+        (tile_r, TILE_C), lambda s: (s, 0), transforms=_BF16_TILES
+      )
     ],
-    max_concurrent_steps=max_concurrent_steps,
+    max_concurrent_steps=stages,
   )(x_gmem.at[rows, pl.ds(ct * TILE_C, TILE_C)])
   plgpu.wait_smem_to_gmem(0)
 
@@ -205,6 +225,8 @@ def _hadamard_tile(hb: int, seed: int):
     "interpret",
     "num_sms",
     "n_cols",
+    "tile_r",
+    "stages",
   ),
 )
 def quantize_mgpu(
@@ -218,11 +240,14 @@ def quantize_mgpu(
   interpret=False,
   num_sms=132,
   n_cols=None,
+  tile_r=DEFAULT_TILE_R,
+  stages=DEFAULT_STAGES,
 ):
   """`(v_rc, se_Cr)` for bf16 `x_rc` with `r % 64 == 0`, `c % 128 == 0`.
 
   `n_cols`: the unpadded column count, which indexes the random bits of
-  stochastic rounding (so padding does not change them).
+  stochastic rounding (so padding does not change them). `tile_r` (64 or
+  128) rows per pipeline step, `stages` steps in flight.
   """
   r, c = x_rc.shape
   block = tuple(block)
@@ -230,18 +255,20 @@ def quantize_mgpu(
     raise NotImplementedError(f"quantize_mgpu: {block=} {hadamard=}")
   if r % TILE_R or c % TILE_C:
     raise ValueError(f"quantize_mgpu needs r % 64 == c % 128 == 0, {r=} {c=}")
+  if tile_r not in (64, 128):
+    raise ValueError(f"tile_r must be 64 or 128, got {tile_r}")
+  if r % tile_r:
+    tile_r = TILE_R
   x_rc = x_rc.astype(jnp.bfloat16)
   bc = block[1]
   h = _hadamard_tile(hadamard or 32, hadamard_seed)
   seed = jnp.full(
     (TILE_R,), 0 if seed_hash is None else seed_hash, dtype=jnp.int32
   )
-  row_tiles, col_tiles = r // TILE_R, c // TILE_C
+  row_tiles, col_tiles = r // tile_r, c // TILE_C
   # Enough programs to fill the chip several times over; each walks `steps`
   # row tiles of one column tile through a TMA pipeline.
   steps = _steps_per_program(row_tiles, col_tiles, num_sms)
-  swz = plgpu.SwizzleTransform(128)
-  bf16_tiles = (plgpu.TilingTransform((8, 64)), swz)
   kernel = functools.partial(
     _kernel,
     block=block,
@@ -249,8 +276,19 @@ def quantize_mgpu(
     sr=sr,
     n_cols=n_cols or c,
     steps=steps,
-    max_concurrent_steps=min(steps, 2),
+    tile_r=tile_r,
+    stages=min(steps, stages),
   )
+  scratch = (
+    plgpu.SMEM((TILE_R,), jnp.int32),
+    plgpu.SMEM((2, tile_r // TILE_R, 4, TILE_R), jnp.float32),
+    plgpu.SMEM((2, tile_r, TILE_C), fmt.E4M3),
+    plgpu.SMEM((2, TILE_C // bc, tile_r), jnp.float32),
+    plgpu.Barrier(num_barriers=2),
+  )
+  if hadamard is not None:
+    h_smem = plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=_BF16_TILES)
+    scratch = (h_smem, *scratch)
   return plgpu.kernel(
     kernel,
     out_type=(
@@ -259,14 +297,7 @@ def quantize_mgpu(
     ),
     grid=(col_tiles, row_tiles // steps),
     grid_names=("c", "r"),
-    scratch_types=(
-      plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=bf16_tiles),
-      plgpu.SMEM((TILE_R,), jnp.int32),
-      plgpu.SMEM((2, 4, TILE_R), jnp.float32),
-      plgpu.SMEM((2, TILE_R, TILE_C), fmt.E4M3),
-      plgpu.SMEM((2, TILE_C // bc, TILE_R), jnp.float32),
-      plgpu.Barrier(num_barriers=2),
-    ),
+    scratch_types=scratch,
     interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(x_rc, h, seed)
 
