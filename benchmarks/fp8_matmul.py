@@ -44,7 +44,7 @@ F8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 DN = (((1,), (0,)), ((), ()))
 GOAL_FWD, GOAL_BWD, GOAL_QUANT = 1.3, 1.5, 0.7
-QUICK = False  # --quick: the two formats' forward and one backward only
+QUICK = False  # --quick: the default format (deepseek) only
 OUT_DIR = None
 
 
@@ -177,7 +177,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     ("deepseek", 128),
   ]
   if QUICK:
-    variants = [("deepseek", None), ("mxfp8", None)]
+    variants = [("deepseek", None), ("deepseek", 128)]
   for fmt_name, hb in variants:
     label = f"ours {fmt_name}" + (f" H{hb}" if hb else "")
 
@@ -227,12 +227,40 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
     b.run(f"{case} {label} fwd", fwd_case)
 
+  def prequantized_case():
+    """x arriving in fp8 (as from the RMSNorm with fused quantization): the
+    forward is then the GEMM and its glue alone."""
+    qsets = [
+      (
+        fp8.quantize(x, axis=1, kind="activation").detach(),
+        fp8.quantize(w, axis=0, kind="weight").detach(),
+      )
+      for x, w, _ in sets
+    ]
+    f = jax.jit(lambda xq, wq: fp8.fp8_dot_general(xq, wq, DN))
+    t = _time(f, qsets)
+    label = "ours deepseek, x pre-quantized"
+    b.add(
+      case,
+      label,
+      "fwd ms",
+      t * 1e3,
+      baseline="xla bf16 (cuBLAS)",
+      baseline_value=t_bf16 * 1e3,
+      lower_is_better=True,
+    )
+    b.add(case, label, "fwd TFLOP/s", tflops(t))
+
+  b.run(f"{case} prequantized fwd", prequantized_case)
+
   bwd_variants = [
     ("mxfp8", None, False),
     ("deepseek", None, False),
     ("mxfp8", None, True),
   ]
-  for fmt_name, hb, rhs_fp8 in bwd_variants[1:2] if QUICK else bwd_variants:
+  if QUICK:
+    bwd_variants = [("deepseek", None, False), ("deepseek", None, True)]
+  for fmt_name, hb, rhs_fp8 in bwd_variants:
     label = f"ours {fmt_name}" + (" dW fp8" if rhs_fp8 else " dW bf16")
 
     def bwd_case(fmt_name=fmt_name, hb=hb, rhs_fp8=rhs_fp8, label=label):
@@ -285,10 +313,12 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
     b.run(f"{case} {label} bwd", bwd_case)
 
+  # ---- the kernels alone (the default configurations of op.py)
+  kernels = [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]
+  quants = [((32, 32), None), ((32, 32), 32), ((1, 128), None), ((1, 128), 128)]
   if QUICK:
-    return
-  # ---- the kernels alone
-  for kb, ablk, bblk in [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]:
+    kernels, quants = kernels[1:], quants[2:]
+  for kb, ablk, bblk in kernels:
 
     def kernel_case(kb=kb, ablk=ablk, bblk=bblk):
       x, w, _ = sets[0]
@@ -296,7 +326,12 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       bv, bs_ = ref.quantize_reference(w.T, block=bblk)
       sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
       sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
-      f = functools.partial(matmul_mgpu.scaled_matmul_mgpu, kb=kb)
+      f = functools.partial(
+        matmul_mgpu.scaled_matmul_mgpu,
+        kb=kb,
+        block_sizes=matmul_mgpu.default_block_sizes(kb),
+        b_scale_uniform=bblk[0] == 128,
+      )
       got = f(av, sa, bv, sb)
       want = ref.scaled_matmul_reference(
         av, as_, ablk, bv, bs_, bblk, out_dtype=BF16
@@ -314,7 +349,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
     b.run(f"{case} kernel kb={kb}", kernel_case)
 
-  for block, hb in [((32, 32), None), ((32, 32), 32), ((1, 128), 128)]:
+  for block, hb in quants:
     label = f"kernel quantize {block[0]}x{block[1]}" + (f" H{hb}" if hb else "")
 
     def quant_case(block=block, hb=hb, label=label):
@@ -357,37 +392,132 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     b.run(f"{case} {label}", quant_case)
 
 
-def sweep(b: Bench):
-  """Tile configurations of the matmul kernel at 16384x4096x4096."""
-  m, k, n = SHAPES[0]
-  x, w, _ = _inputs(m, k, n, 0)
-  D = matmul_mgpu.Dim
-  configs = [
-    matmul_mgpu.BlockSizes(),
-    matmul_mgpu.BlockSizes(wg_dimension=D.N),
-    matmul_mgpu.BlockSizes(tile_m=128, tile_n=64, wg_dimension=D.N),
-    matmul_mgpu.BlockSizes(max_concurrent_steps=5, grid_tile_width=8),
+def _sweep_configs():
+  """(name, kb, BlockSizes, b_scale_uniform) of the matmul tile sweep."""
+  B, D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
+  k256 = dict(tile_k=256, max_concurrent_steps=2)
+  c128 = {
+    "64x128 wgM st4": B(),
+    "64x128 wgM st5": B(max_concurrent_steps=5),
+    "64x128x256 wgM st2 (2 in flight)": B(**k256),
+    "64x128 wgM clusterM": B(cluster_dimension=D.M),
+    "64x128 wgM clusterN": B(cluster_dimension=D.N),
+    "64x128 wgN clusterM": B(wg_dimension=D.N, cluster_dimension=D.M),
+    "64x128 wgM clusterM gw8": B(cluster_dimension=D.M, grid_tile_width=8),
+    "64x128 wgM clusterM minorM": B(cluster_dimension=D.M, grid_minor_dim=D.M),
+    "64x128x256 wgM clusterM st2 (2 in flight)": B(
+      cluster_dimension=D.M, **k256
+    ),
+    "64x128x256 wgN clusterM st2 (2 in flight)": B(
+      wg_dimension=D.N, cluster_dimension=D.M, **k256
+    ),
+    "64x128 wgN clusterM minorM": B(
+      wg_dimension=D.N, cluster_dimension=D.M, grid_minor_dim=D.M
+    ),
+    "64x128 wgN clusterM st3": B(
+      wg_dimension=D.N, cluster_dimension=D.M, max_concurrent_steps=3
+    ),
+  }
+  out = [("64x128 wgM st4 (unfolded)", 128, B(), False)]
+  out += [(name, 128, bs, True) for name, bs in c128.items()]
+  out += [
+    ("64x128 wgM st4", 32, B(), False),
+    ("64x128 wgM clusterM", 32, B(cluster_dimension=D.M), False),
   ]
+  return out
+
+
+def sweep(b: Bench, only: str | None = None):
+  """Tile configurations of the matmul kernel at 16384x4096x4096, each
+  checked against the reference, with cuBLAS bf16 and fp8 beside them."""
+  m, k, n = SHAPES[0]
+  case = "sweep 16384x4096x4096"
+  x, w, _ = _inputs(m, k, n, 0)
+  flops = 2 * m * k * n
+  t = _time(jax.jit(jnp.dot), [(x, w)] * 2)
+  b.add(case, "xla bf16 (cuBLAS)", "TFLOP/s", flops / t / 1e12)
+  x8, w8 = x.astype(F8), w.astype(F8)
+  f = jax.jit(lambda a, c: jnp.dot(a, c, preferred_element_type=BF16))
+  t = _time(f, [(x8, w8)] * 2)
+  b.add(case, "xla fp8 GEMM only (pre-cast)", "TFLOP/s", flops / t / 1e12)
+  ops = {}
   for kb, ablk, bblk in [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]:
     av, as_ = ref.quantize_reference(x, block=ablk)
     bv, bs_ = ref.quantize_reference(w.T, block=bblk)
     sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
     sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
-    for bs in configs:
+    want = ref.scaled_matmul_reference(
+      av, as_, ablk, bv, bs_, bblk, out_dtype=BF16
+    )
+    ops[kb] = (av, sa, bv, sb), want
+  for name, kb, bs, uniform in _sweep_configs():
+    label = f"kernel kb={kb} {name}"
+    if only and not any(p in label for p in only.split(",")):
+      continue
+
+    def one(bs=bs, kb=kb, uniform=uniform, label=label):
+      args, want = ops[kb]
+      f = jax.jit(
+        functools.partial(
+          matmul_mgpu.scaled_matmul_mgpu,
+          kb=kb,
+          block_sizes=bs,
+          b_scale_uniform=uniform,
+        )
+      )
+      b.add(case, label, "err vs ref", _rel(f(*args), want))
+      t = _time(f, [args] * 2)
+      b.add(case, label, "TFLOP/s", flops / t / 1e12)
+
+    b.run(label, one)
+
+
+def quant_sweep(b: Bench, copy_bw: float):
+  """Tile rows and pipeline depth of the quantize kernel at 16384 x 4096."""
+  m, k = SHAPES[0][:2]
+  case = f"quantize sweep {m}x{k}"
+  xs = [(_inputs(m, k, 128, s)[0],) for s in (0, 1)]
+  for block, hb in [((1, 128), None), ((1, 128), 128), ((32, 32), None)]:
+    rv, rs = ref.quantize_reference(xs[0][0], block=block, hadamard=hb)
+    nbytes = 3 * m * k + 4 * m * (k // block[1])
+    for tile_r, stages in [(64, 2), (64, 3), (64, 4), (128, 2), (128, 3)]:
       label = (
-        f"kernel kb={kb} {bs.tile_m}x{bs.tile_n} wg={bs.wg_dimension.name}"
-        f" st={bs.max_concurrent_steps} gw={bs.grid_tile_width}"
+        f"kernel quantize {block[0]}x{block[1]}"
+        + (f" H{hb}" if hb else "")
+        + f" rows{tile_r} st{stages}"
       )
 
-      def one(bs=bs, kb=kb, label=label, args=(av, sa, bv, sb)):
+      def one(
+        block=block,
+        hb=hb,
+        tile_r=tile_r,
+        stages=stages,
+        label=label,
+        rv=rv,
+        rs=rs,
+        nbytes=nbytes,
+      ):
         f = jax.jit(
-          functools.partial(
-            matmul_mgpu.scaled_matmul_mgpu, kb=kb, block_sizes=bs
+          lambda x: quantize_mgpu.quantize_mgpu(
+            x, block=block, hadamard=hb, tile_r=tile_r, stages=stages
           )
         )
-        t = _time(f, [args] * 2)
+        v, se = f(xs[0][0])
+        same_v = float(
+          jnp.mean((v.astype(jnp.float32) == rv.astype(jnp.float32)) * 1.0)
+        )
+        same_s = float(jnp.mean((se[:, :: block[0]].T == rs) * 1.0))
+        b.add(case, label, "values equal", same_v)
+        b.add(case, label, "scales equal", same_s)
+        t = _time(f, xs)
         b.add(
-          "sweep 16384x4096x4096", label, "TFLOP/s", 2 * m * k * n / t / 1e12
+          case,
+          label,
+          "TB/s",
+          nbytes / t / 1e12,
+          baseline="copy bandwidth",
+          baseline_value=copy_bw / 1e12,
+          goal=GOAL_QUANT,
         )
 
       b.run(label, one)
@@ -408,11 +538,21 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--shapes", default="all")
   p.add_argument("--no-sweep", action="store_true")
+  p.add_argument(
+    "--sweep-filter",
+    default=None,
+    help="comma-separated substrings: sweep only the matching configs",
+  )
   p.add_argument("--max-seconds", type=float, default=1e9)
   p.add_argument(
     "--tiny", action="store_true", help="small shapes: a dry run of the script"
   )
   p.add_argument("--quick", action="store_true")
+  p.add_argument(
+    "--sweep-only",
+    action="store_true",
+    help="only the matmul tile sweep and the quantize kernel sweep",
+  )
   args = p.parse_args(argv)
   global QUICK, OUT_DIR
   QUICK, OUT_DIR = args.quick, args.out
@@ -427,14 +567,22 @@ def main(argv=None):
   if args.tiny:
     shapes = [(256, 256, 256)]
   t0 = time.perf_counter()
+  if args.sweep_only:
+    shapes = []
+    quant_sweep(b, copy_bw)
+    sweep(b, args.sweep_filter)
   for m, k, n in shapes:
     if time.perf_counter() - t0 > args.max_seconds:
       print(f"time limit: skipping {m}x{k}x{n}", flush=True)
       continue
     bench_shape(b, m, k, n, copy_bw)
     _save(b.records, args.out)
-  if not args.no_sweep and time.perf_counter() - t0 < args.max_seconds:
-    sweep(b)
+  if (
+    not args.no_sweep
+    and not args.sweep_only
+    and time.perf_counter() - t0 < args.max_seconds
+  ):
+    sweep(b, args.sweep_filter)
   # A --tiny dry run never touches benchmarks/results.
   common.write_results(NAME, b.records, out_dir=args.out, dry_run=args.tiny)
   if b.failures:

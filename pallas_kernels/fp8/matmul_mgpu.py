@@ -54,12 +54,19 @@ class Dim(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles per compute warpgroup. The defaults are the first configuration
-  measured on the H200 (.notes/fp8.md); no tile sweep has run yet.
+  """Tiles per compute warpgroup and the schedule; defaults from the H200
+  tile sweep (.notes/fp8.md).
 
-  The accumulator and the per-block product both live in registers
-  (`2 * tile_m * tile_n / 128` floats per thread), which caps
+  The accumulator and the per-block products live in registers
+  (`(1 + in_flight) * tile_m * tile_n / 128` floats per thread), which caps
   `tile_m * tile_n` at 64 x 128.
+
+  `tile_k = 2 * kb` puts two block products in flight per warpgroup: both
+  wgmmas are issued, then block 0 is promoted while block 1 still runs on
+  the tensor cores (DeepGEMM's schedule). `cluster_dimension`: two CTAs
+  side by side along M (or N) form a cluster and TMA-multicast the operand
+  they share, which halves its L2 reads (fp8 at 128 x 128 CTA tiles is
+  otherwise bound by L2 bandwidth).
   """
 
   tile_m: int = 64
@@ -71,6 +78,7 @@ class BlockSizes:
   grid_tile_width: int = 4
   epi_tile_m: int = 64
   epi_tile_n: int = 64
+  cluster_dimension: Dim | None = None
 
   def cta_tile(self) -> tuple[int, int]:
     return (
@@ -78,15 +86,46 @@ class BlockSizes:
       self.tile_n * (1 + (self.wg_dimension == Dim.N)),
     )
 
+  def cluster_tile(self) -> tuple[int, int]:
+    cm, cn = self.cta_tile()
+    return (
+      cm * (1 + (self.cluster_dimension == Dim.M)),
+      cn * (1 + (self.cluster_dimension == Dim.N)),
+    )
 
-def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
+
+# The configuration `op.py` uses, per scale block `kb` (H200 sweep at
+# 16384 x 4096 x 4096, .notes/fp8.md): for kb = 128, warpgroups side by side
+# along N (a 64 x 256 CTA tile) and two CTAs along M sharing the weight tile
+# by multicast: 1091 TFLOP/s against 1061 for 128 x 128 CTAs without a
+# cluster (both with the folded weight scale; 876 without it). For kb = 32
+# the cluster lost (372 vs 401): the promotion, not L2, bounds it.
+DEFAULT_BLOCK_SIZES = {
+  128: BlockSizes(wg_dimension=Dim.N, cluster_dimension=Dim.M),
+  64: BlockSizes(),
+  32: BlockSizes(),
+}
+
+
+def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
+  bs = DEFAULT_BLOCK_SIZES.get(kb, BlockSizes())
+  if jnp.dtype(out_dtype).itemsize > 2 and bs.wg_dimension == Dim.N:
+    # A 64 x 256 CTA tile's f32 epilogue buffers leave room for 3 stages.
+    bs = dataclasses.replace(bs, max_concurrent_steps=3)
+  return bs
+
+
+def _kernel(
+  a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs, b_scale_uniform
+):
   m, k = a_gmem.shape
   n = b_gmem.shape[0]
   out_dtype = out_gmem.dtype
   tile_m, tile_n, tile_k = bs.tile_m, bs.tile_n, bs.tile_k
   subs = tile_k // kb
   cta_m, cta_n = bs.cta_tile()
-  m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+  clu_m, clu_n = bs.cluster_tile()
+  m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
   # An 8-bit wgmma consumes k in groups of `swizzle` bytes; one k-block per
   # wgmma means swizzle == kb.
   swizzle = kb
@@ -101,6 +140,9 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
     plgpu.SwizzleTransform(out_swizzle),
   )
   num_out_slots = min(2, (tile_m * tile_n) // (epi_m * epi_n))
+  # The operand both CTAs of a cluster read: multicast.
+  share_b = ("cluster",) if bs.cluster_dimension == Dim.M else ()
+  share_a = ("cluster",) if bs.cluster_dimension == Dim.N else ()
 
   def get_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -109,10 +151,16 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
       memory_registers=40,
       in_specs=[
         plgpu.BlockSpec(
-          (cta_m, tile_k), lambda kk: (0, kk), transforms=in_transforms
+          (cta_m, tile_k),
+          lambda kk: (0, kk),
+          transforms=in_transforms,
+          collective_axes=share_a,
         ),
         plgpu.BlockSpec(
-          (cta_n, tile_k), lambda kk: (0, kk), transforms=in_transforms
+          (cta_n, tile_k),
+          lambda kk: (0, kk),
+          transforms=in_transforms,
+          collective_axes=share_b,
         ),
         plgpu.BlockSpec((subs, cta_m), lambda kk: (kk, 0)),
         plgpu.BlockSpec((subs, cta_n), lambda kk: (kk, 0)),
@@ -137,6 +185,7 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
   )
   def _scope(pipeline_allocs, out_smem):
     wg_idx = lax.axis_index("wg")
+    cta_idx = 0 if bs.cluster_dimension is None else lax.axis_index("cluster")
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _mn_loop(info: plgpu.NDLoopInfo):
@@ -144,14 +193,20 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
       m_idx, n_idx = plgpu.planar_snake(
         lin, (m_iters, n_iters), bs.grid_minor_dim, bs.grid_tile_width
       )
+      if bs.cluster_dimension == Dim.M:
+        m_idx = m_idx * 2 + cta_idx
+      elif bs.cluster_dimension == Dim.N:
+        n_idx = n_idx * 2 + cta_idx
       cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
       cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
       if bs.wg_dimension == Dim.M:
         wg_m = pl.ds(wg_idx * tile_m, tile_m)
         wg_n = pl.ds(0, tile_n)
+        wg_n0 = 0
       else:
         wg_m = pl.ds(0, tile_m)
         wg_n = pl.ds(wg_idx * tile_n, tile_n)
+        wg_n0 = wg_idx * tile_n
 
       def compute_context(eval_pipeline):
         acc0 = plgpu.layout_cast(
@@ -172,27 +227,55 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
               out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[ms, ns],
             )
 
-      def mma_body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
-        for j in range(subs):
-          ks = pl.ds(j * kb, kb)
-
-          def block_product(p_ref, ks=ks):
-            plgpu.wgmma(
-              p_ref,
-              a_smem.at[wg_m, ks],
-              b_smem.at[wg_n, ks].transpose((1, 0)),
-            )
-            return p_ref[...]
-
-          p = pl.run_scoped(
-            block_product, plgpu.ACC((tile_m, tile_n), jnp.float32)
-          )
-          ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
+      def promote(acc, p, j, sa_smem, sb_smem):
+        ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
+        if b_scale_uniform:
+          # One weight scale for all of this warpgroup's columns: fold it
+          # into the row scales (1 FMA per element). The first `tile_m`
+          # entries of the (uniform) column scales, read as a row vector.
+          cs = plgpu.load(sb_smem.at[j, pl.ds(wg_n0, tile_m)], layout=_ROW)
+          scale = lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
+        else:
           cb = plgpu.load(sb_smem.at[j, wg_n], layout=_COL)
           scale = lax.broadcast_in_dim(
             ra, (tile_m, tile_n), [0]
           ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
-          acc = acc + p * scale
+        return acc + p * scale
+
+      def mma_body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
+        def product(p_ref, j):
+          ks = pl.ds(j * kb, kb)
+          plgpu.wgmma(
+            p_ref,
+            a_smem.at[wg_m, ks],
+            b_smem.at[wg_n, ks].transpose((1, 0)),
+          )
+
+        if subs == 2:
+          # Both block products in flight; promote block 0 while block 1
+          # runs on the tensor cores.
+          def both(p0, p1):
+            product(p0, 0)
+            product(p1, 1)
+            out = promote(
+              acc,
+              plgpu.wgmma_accumulator_load(p0, wait_n=1),
+              0,
+              sa_smem,
+              sb_smem,
+            )
+            return promote(out, p1[...], 1, sa_smem, sb_smem)
+
+          acc_t = plgpu.ACC((tile_m, tile_n), jnp.float32)
+          return pl.run_scoped(both, acc_t, acc_t)
+        for j in range(subs):
+
+          def one(p_ref, j=j):
+            product(p_ref, j)
+            return p_ref[...]
+
+          p = pl.run_scoped(one, plgpu.ACC((tile_m, tile_n), jnp.float32))
+          acc = promote(acc, p, j, sa_smem, sb_smem)
         return acc
 
       get_pipeline(mma_body, compute_context)(
@@ -208,7 +291,14 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, kb, bs):
 
 @functools.partial(
   jax.jit,
-  static_argnames=("kb", "out_dtype", "block_sizes", "num_sms", "interpret"),
+  static_argnames=(
+    "kb",
+    "out_dtype",
+    "block_sizes",
+    "num_sms",
+    "interpret",
+    "b_scale_uniform",
+  ),
 )
 def scaled_matmul_mgpu(
   a_mk,
@@ -221,24 +311,39 @@ def scaled_matmul_mgpu(
   block_sizes: BlockSizes = BlockSizes(),
   num_sms: int = 132,
   interpret: bool = False,
+  b_scale_uniform: bool = False,
 ):
-  """`out_mn`; see the module docstring. Shapes must fit the tiles."""
+  """`out_mn`; see the module docstring. Shapes must fit the tiles.
+
+  `b_scale_uniform`: the caller guarantees that `sb_Jn` is constant over
+  every aligned group of `tile_n` columns (128 x 128 weight blocks): the
+  kernel then folds it into the row scales.
+  """
   m, k = a_mk.shape
   n, k2 = b_nk.shape
   bs = block_sizes
-  cta_m, cta_n = bs.cta_tile()
-  if k != k2 or m % cta_m or n % cta_n or k % bs.tile_k or bs.tile_k % kb:
+  clu_m, clu_n = bs.cluster_tile()
+  if k != k2 or m % clu_m or n % clu_n or k % bs.tile_k or bs.tile_k % kb:
     raise ValueError(
       f"scaled_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit the"
-      f" tiles {cta_m}x{cta_n}x{bs.tile_k} (kb={kb})"
+      f" tiles {clu_m}x{clu_n}x{bs.tile_k} (kb={kb})"
     )
   if kb not in (32, 64, 128):
     raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
   if sa_Jm.shape != (k // kb, m) or sb_Jn.shape != (k // kb, n):
     raise ValueError(f"scale shapes {sa_Jm.shape}, {sb_Jn.shape}")
-  # A persistent grid: no more programs than output tiles.
-  num_sms = min(num_sms, (m // cta_m) * (n // cta_n))
-  kernel = functools.partial(_kernel, kb=kb, bs=bs)
+  if b_scale_uniform and bs.tile_m > bs.tile_n:
+    b_scale_uniform = False  # the row-vector read needs tile_m <= tile_n
+  # A persistent grid of clusters (one CTA each unless `cluster_dimension`):
+  # no more programs than output tiles.
+  csize = 1 + (bs.cluster_dimension is not None)
+  num_sms = min(num_sms // csize, (m // clu_m) * (n // clu_n))
+  kernel = functools.partial(
+    _kernel, kb=kb, bs=bs, b_scale_uniform=b_scale_uniform
+  )
+  cluster = {}
+  if bs.cluster_dimension is not None:
+    cluster = dict(cluster=(2,), cluster_names=("cluster",))
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -250,6 +355,7 @@ def scaled_matmul_mgpu(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
     interpret=plgpu.InterpretGPUParams() if interpret else None,
+    **cluster,
   )(
     a_mk.astype(jnp.float8_e4m3fn),
     b_nk.astype(jnp.float8_e4m3fn),

@@ -161,10 +161,12 @@ def _expand(s_RC, br: int, rows: int):
 
 
 @functools.cache
-def _matmul_kernel_fn(kb, out_dtype, m, n, k):
-  bs = matmul_mgpu.BlockSizes()
-  cta_m, cta_n = bs.cta_tile()
+def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows):
+  bs = matmul_mgpu.default_block_sizes(kb, out_dtype)
+  cta_m, cta_n = bs.cluster_tile()
   kp = _round_up(k, bs.tile_k)
+  # 128 x 128 weight blocks: one column scale per warpgroup tile and k-block.
+  uniform = b_rows % bs.tile_n == 0
 
   def one(a_mk, sa_Jm, b_nk, sb_Jn):
     rows = a_mk.shape[0]
@@ -183,6 +185,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k):
       out_dtype=out_dtype,
       block_sizes=bs,
       interpret=_interpret(),
+      b_scale_uniform=uniform,
     )
     return out[:rows, :n]
 
@@ -218,7 +221,7 @@ def _matmul_mosaic(a, b, out_dtype):
   kb = a_block[1]
   if kb != b_block[1] or kb not in (32, 64, 128) or 0 in (m, n, k):
     return _matmul_xla(a, b, out_dtype)
-  f = _matmul_kernel_fn(kb, jnp.dtype(out_dtype), m, n, k)
+  f = _matmul_kernel_fn(kb, jnp.dtype(out_dtype), m, n, k, b_block[0])
   return f(a_v, _expand(a_s, a_block[0], m), b_v, _expand(b_s, b_block[0], n))
 
 
@@ -363,6 +366,10 @@ def _transposed(v, s, block):
   return v.T, s.T, (block[1], block[0])
 
 
+def _acc_dtype(cfg, dtype):
+  return jnp.float32 if cfg.hadamard else dtype
+
+
 def _mm_bwd(cfg, res, g_mn):
   a_v, a_s, b_v, b_s, key = res
   keep_a, keep_b = cfg.grad_lhs, cfg.grad_rhs
@@ -385,7 +392,9 @@ def _mm_bwd(cfg, res, g_mn):
         None,
       )
       bt = (*bq, grad_block)
-    da = impl.matmul((g_v, g_s, grad_block), bt, jnp.float32)
+    # Without a Hadamard transform to undo, the kernel writes the gradient's
+    # dtype directly (one rounding of the f32 sums either way).
+    da = impl.matmul((g_v, g_s, grad_block), bt, _acc_dtype(cfg, cfg.a_dtype))
     da = _hadamard_undo(da, cfg).astype(cfg.a_dtype)
   if keep_b:
     # d b = g^T . a: contraction over m.
@@ -396,10 +405,14 @@ def _mm_bwd(cfg, res, g_mn):
       else:
         gt = (*impl.quantize_2d(g_mn.T, grad_block, None, 0, seed_hash),)
         gt = (*gt, grad_block)
-        a_deq = ref.dequantize_reference(a_v, a_s, block=cfg.a_block)
+        # bf16 holds every e4m3 value times a power-of-two scale exactly
+        # (down to 2^-133), and the quantize kernel reads bf16.
+        a_deq = ref.dequantize_reference(
+          a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16
+        )
         at = (*impl.quantize_2d(a_deq.T, grad_block, None, 0, None),)
         at = (*at, grad_block)
-      db = impl.matmul(gt, at, jnp.float32)
+      db = impl.matmul(gt, at, _acc_dtype(cfg, cfg.b_dtype))
     else:
       a_deq = ref.dequantize_reference(
         a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16

@@ -484,18 +484,32 @@ def test_errors():
 
 
 @pytest.mark.parametrize(
-  "block,hb,sr,num_sms",
+  "block,hb,sr,num_sms,rows,tile",
   [
-    ((32, 32), None, False, 132),
-    ((32, 32), 32, True, 1),  # one program walks a 3-step pipeline
-    ((1, 128), 128, True, 132),
+    ((32, 32), None, False, 132, 192, {}),
+    ((32, 32), 32, True, 1, 192, {}),  # one program walks a 3-step pipeline
+    ((1, 128), 128, True, 132, 192, {}),
+    # Hardware round-to-nearest, 128-row tiles in two parts, 3 stages.
+    ((1, 128), None, False, 1, 384, dict(tile_r=128, stages=3)),
+    ((32, 32), None, False, 1, 256, dict(tile_r=128, stages=2)),
   ],
 )
-def test_quantize_kernel_interpret_equals_reference(block, hb, sr, num_sms):
-  x = _data(jax.random.key(28), (192, 128), jnp.bfloat16)
+def test_quantize_kernel_interpret_equals_reference(
+  block, hb, sr, num_sms, rows, tile
+):
+  x = _data(jax.random.key(28), (rows, 128), jnp.bfloat16)
+  # A subnormal e4m3 result and zeros (the row maximum sets the scale).
+  x = x.at[0, :4].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
   seed = fmt.hash32(jnp.int32(99)) if sr else None
   v, se = quantize_mgpu.quantize_mgpu(
-    x, seed, block=block, hadamard=hb, sr=sr, interpret=True, num_sms=num_sms
+    x,
+    seed,
+    block=block,
+    hadamard=hb,
+    sr=sr,
+    interpret=True,
+    num_sms=num_sms,
+    **tile,
   )
   rv, rs = ref.quantize_reference(x, block=block, hadamard=hb, seed_hash=seed)
   np.testing.assert_array_equal(se[:, :: block[0]].T, rs)
@@ -511,11 +525,24 @@ def test_quantize_kernel_interpret_equals_reference(block, hb, sr, num_sms):
     assert np.all(d <= step) and np.mean(d == 0) > 0.999
 
 
+_B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
+
+
 @pytest.mark.parametrize(
-  "kb,ablk,bblk", [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]
+  "kb,ablk,bblk,bs",
+  [
+    (32, (32, 32), (32, 32), _B()),
+    (128, (1, 128), (128, 128), _B()),
+    # op.py's default: 64 x 256 CTA tiles in 2-CTA clusters along M
+    # (multicast weights), weight scale folded into the row scales.
+    (128, (1, 128), (128, 128), matmul_mgpu.default_block_sizes(128)),
+    # Two block products in flight per warpgroup.
+    (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2)),
+    (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N)),
+  ],
 )
-def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk):
-  m, n, k = 128, 256, 256
+def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs):
+  m, n, k = 256, 256, 256
   a = _data(jax.random.key(29), (m, k))
   b = _data(jax.random.key(30), (n, k))
   av, as_ = ref.quantize_reference(a, block=ablk)
@@ -529,6 +556,8 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk):
     out_dtype=jnp.float32,
     interpret=True,
     num_sms=2,  # persistent programs walk several output tiles
+    block_sizes=bs,
+    b_scale_uniform=bblk[0] == 128,
   )
   want = ref.scaled_matmul_reference(av, as_, ablk, bv, bs_, bblk)
   np.testing.assert_allclose(
