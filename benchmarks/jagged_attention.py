@@ -197,34 +197,38 @@ def run_case(h, mix, rng, args, records, extra):
     print(f"{case}: extra timings failed: {type(e).__name__}: {e}"[:2000])
 
 
-# Variants beside each head dim's default (`BlockSizes.default`); D=128's
-# block_kv 64, 3-stage ring and dQ key block 128 are in the notes (slower,
-# over shared memory, over shared memory).
+# Variants beside each head dim's default (`BlockSizes.default`) and what
+# to time for each: the forward of the non-persistent one, forward+backward
+# of the other backward (fused or with the dQ kernel). D=128's block_kv 64,
+# 3-stage ring and dQ key block 128 are in the notes (slower, over shared
+# memory, over shared memory).
 TUNE = {
-  128: [],
+  128: [
+    (mg.BlockSizes(fused_bwd=False, persistent=False), ("fwd",)),
+    (mg.BlockSizes(fused_bwd=True), ("fwdbwd",)),
+    (mg.BlockSizes(fused_bwd=True, dq_swizzle=True), ("fwdbwd",)),
+  ],
   64: [
-    mg.BlockSizes(block_kv_dq=64),  # dQ's own work list and side tiles
-    mg.BlockSizes(block_kv_dq=128, max_concurrent_steps=3),
+    (mg.BlockSizes(persistent=False), ("fwd",)),
+    (mg.BlockSizes(block_kv_dq=128, fused_bwd=False), ("fwdbwd",)),
   ],
 }
 
 
 def tune(h, case, q_off, kv_off, sets, extra):
-  """The op under other block sizes (forward+backward, and the forward when
-  its own sizes differ from the default's)."""
-  default = mg.BlockSizes.default(h)
-  for bs in TUNE[h]:
+  """The op under other block sizes (see `TUNE`)."""
+  for bs, kinds in TUNE[h]:
 
     def ours(q, k, v, bs=bs):
       return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
 
-    runs = [("fwdbwd", common.loss_grad(ours))]
-    fwd_sizes = lambda b: (b.block_q, b.block_kv, b.max_concurrent_steps)
-    if fwd_sizes(bs) != fwd_sizes(default):
-      runs.insert(0, ("fwd", lambda q, k, v, do, f=ours: f(q, k, v)))
-    for kind, fn in runs:
+    fns = {
+      "fwd": lambda q, k, v, do, f=ours: f(q, k, v),
+      "fwdbwd": common.loss_grad(ours),
+    }
+    for kind in kinds:
       try:
-        sec = common.time_sets(fn, sets)
+        sec = common.time_sets(fns[kind], sets)
       except Exception as e:  # e.g. shared memory overflow
         print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
         continue

@@ -22,8 +22,11 @@ spend most CTAs on tiles past short sequences' ends. Instead
 `pallas_kernels.schedule` lists, on device inside `jit`, only the non-empty
 (sequence, 64-row tile) items, longest first (the hardware block scheduler
 then runs the long tiles of a 2K sequence first on separate SMs: greedy LPT).
-The forward and dQ kernels run one CTA per (query tile, pair of query heads);
-the dK/dV kernel one CTA per (128-row key tile, KV head).
+The forward runs about one persistent CTA per SM, each walking its share of
+the (query tile, pair of query heads) items dealt zig-zag from that list, so
+the next item's Q and K/V load while the current one finishes; the unfused
+dQ kernel runs one CTA per item; the dK/dV kernel one CTA per (128-row key
+tile, KV head).
 
 Boundaries by zero-fill, not masks (G1). On CUDA, Triton gives each
 sequence its own TMA descriptor whose bounds are the sequence's ends, so the
@@ -83,11 +86,13 @@ dK/dV kernel each consumer owns 64 key rows and accumulates dK/dV over all
 `g` query heads of its KV head before one store: the GQA reduction happens
 inside the kernel (O7). With an odd group the forward/dQ CTAs take one head.
 
-The backward is two kernels (dQ; dK/dV), each recomputing `S` and `P`: 7
-matmul passes where a fused backward with dQ accumulated by TMA reduce-add
-needs 5. That is the main cost left on the table (measured numbers and the
-plan are in .notes/jagged_attention.md). `delta = rowsum(O * dO)` is formed
-inside the dQ kernel (no pass of its own) and handed to the dK/dV kernel.
+The backward (default, `BlockSizes.fused_bwd`) is a small delta kernel
+(`delta = rowsum(O * dO)`, tile-padded like `lse`) and one fused kernel:
+the dK/dV kernel also forms `dS K` for each (query tile, key tile) pair and
+adds it into an f32 dQ buffer with TMA reduce-add (FlashAttention-3's
+scheme), 5 matmul passes per tile pair; a scale-and-cast pass ends it.
+Unfused, two kernels (dQ, which also forms delta; dK/dV) each recompute
+`S` and `P`: 7 passes. Measured numbers are in .notes/jagged_attention.md.
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
@@ -119,23 +124,29 @@ class BlockSizes:
   # the backward reuses the forward's work list and side tiles)
   block_kv_dkv: int = 64  # key rows per consumer warpgroup, dK/dV kernel
   max_concurrent_steps: int = 2  # ring depth of the producer
+  persistent: bool = True  # forward: persistent CTAs (see `forward`)
+  fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
+  dq_swizzle: bool = False  # fused: f32 dQ staging tiled + swizzled
+  num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name != "max_concurrent_steps" and v % 64:
+      if f.name.startswith("block_") and v % 64:
         raise ValueError(f"{f.name}={v} must be a multiple of 64")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Head dim 64: the dQ kernel steps over 128 keys like the forward and
-    shares its work list. At 128 its 128-key ring does not fit beside the
-    O/dQ, delta and row-reduction buffers (233.6 KB > 227 KB)."""
+    """Measured on the H200 (.notes/jagged_attention.md, session 4): the
+    fused backward is 5% faster than the two-kernel one at head dim 64 and
+    7% slower at 128, so 128 keeps the dQ kernel (64-key steps: a 128-key
+    ring does not fit beside its O/dQ, delta and row-reduction buffers,
+    233.6 KB > 227 KB)."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
-    return BlockSizes()
+    return BlockSizes(fused_bwd=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +239,9 @@ def key_items(
   `[lo, hi)`, 3 position of tile row 0, 4 first packed row of the sequence's
   aligned query grid, 5 query lead rows, 6 first query tile visited, 7 query
   tiles visited per head, 8 how many of those (from the first) need the
-  causal mask, 9 forward tile id of the sequence's query tile 0.
+  causal mask, 9 forward tile id of the sequence's query tile 0, 10
+  sequence, 11 tile index in the sequence's key grid, 12 tiles in that grid
+  (the fused backward loads the first and last from the side tiles).
   """
   kv_off, q_off = seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -236,6 +249,7 @@ def key_items(
   q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
   kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
   n_q_b = jnp.where(q_len_b > 0, pl.cdiv(q_len_b + q_lead_b, block_q), 0)
+  n_kv_b = pl.cdiv(kv_len_b + kv_lead_b, block_kv)
 
   def geometry(seq, tile):
     kv_pos = tile * block_kv - kv_lead_b[seq]
@@ -277,6 +291,9 @@ def key_items(
       jnp.where(valid, steps, 0),
       n_masked,
       q_tile_start_b[q_seq],
+      seq,
+      tile,
+      n_kv_b[seq],
     ],
     axis=1,
   ).astype(jnp.int32)
@@ -371,8 +388,86 @@ def _kv_producer(
     plgpu.barrier_wait(v_free.at[slot])
 
 
+def _kv_stream(
+  k_ref,
+  v_ref,
+  side_k,
+  side_v,
+  smem,
+  bars,
+  free,
+  item,
+  bkv,
+  mcs,
+  kv_head,
+  base,
+):
+  """Producer of the persistent forward: stream one item's key/value tiles
+  into the ring, continuing its global step count `base` (the ring runs on
+  across items, so the next item's first tiles load while the consumers
+  finish the current one). Slot `g % mcs` of global step `g` is reused once
+  its consumers release it (steps `g >= mcs`)."""
+  kv_row, kv_steps, kv_total, seq = item
+  k_smem, v_smem = smem
+  k_bar, v_bar = bars
+  k_free, v_free = free
+
+  def issue(ref, side, dst, bar, i, slot):
+    from_side = (i == 0) | (i == kv_total - 1)
+
+    @pl.when(from_side)
+    def _():
+      which = jnp.where(i == 0, 0, 1)
+      plgpu.copy_gmem_to_smem(
+        side.at[seq, which, :, kv_head], dst.at[slot], bar.at[slot]
+      )
+
+    @pl.when(jnp.logical_not(from_side))
+    def _():
+      plgpu.copy_gmem_to_smem(
+        ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
+        dst.at[slot],
+        bar.at[slot],
+      )
+
+  @pl.loop(0, kv_steps)
+  def _(i):
+    g = base + i
+    slot = lax.rem(g, mcs)
+
+    @pl.when(g >= mcs)
+    def _():
+      plgpu.barrier_wait(k_free.at[slot])
+
+    issue(k_ref, side_k, k_smem, k_bar, i, slot)
+
+    @pl.when(g >= mcs)
+    def _():
+      plgpu.barrier_wait(v_free.at[slot])
+
+    issue(v_ref, side_v, v_smem, v_bar, i, slot)
+
+
+def forward_workers(num_items: int, hpc_groups: int, bs: BlockSizes) -> int:
+  """Persistent CTAs per head pair (or one CTA per item when not
+  persistent)."""
+  if not bs.persistent:
+    return num_items
+  return schedule.persistent_workers(hpc_groups, bs.num_sms, num_items)
+
+
 def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
-  """Returns (o `[t, n, h]`, lse `f32[n, i * block_q]` tile-padded, log2)."""
+  """Returns (o `[t, n, h]`, lse `f32[n, i * block_q]` tile-padded, log2).
+
+  Persistent (`BlockSizes.persistent`): `w` CTAs per head pair walk the
+  longest-first item list dealt zig-zag (`schedule.deal`). Per item, the
+  consumers issue the next item's Q load into their Q buffer right after the
+  item's last Q K^T wgmma (it lands during the last P V and the epilogue),
+  the producer keeps streaming K/V into the ring
+  across item boundaries, and the output's TMA store drains while the next
+  item computes (waited on only before its buffer is rewritten). Without
+  it, one CTA per item (`w = i`, one item each).
+  """
   t, n, h = q_tnh.shape
   _, kh, _ = k_skh.shape
   dtype = q_tnh.dtype
@@ -383,150 +478,213 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
+  workers = forward_workers(num_items, n // hpc, bs)
+  if bs.persistent:
+    num_real = jnp.sum(items[:, 2] > items[:, 1]).astype(jnp.int32)
+    dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  else:
+    dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    counts = (items[:, 2] > items[:, 1]).astype(jnp.int32)
 
   def kernel(
-    items_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *scratch
+    items_ref,
+    deal_ref,
+    count_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ks_ref,
+    vs_ref,
+    o_ref,
+    lse_ref,
+    *scratch,
   ):
     (q_smem2, o_smem2, lse_smem2, k_smem, v_smem) = scratch[:5]
     (q_bar, k_bar, v_bar, k_free, v_free, sched_bar) = scratch[5:]
-    it = lax.axis_index("items")
+    w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (q_row, lo, hi, q_pos, kv_row, kv_len, kv_lead, kv_steps, kv_total, seq,
-     tile_id) = _load_query_item(items_ref, it)  # fmt: skip
     kv_head = lax.div(hp * hpc, group)
+    n_items = count_ref[w]
+
+    def item(j):
+      it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
+      fields = _load_query_item(items_ref, it)
+      # Steps of this item: 0 when it has no valid rows (skipped).
+      hi_lo = fields[2] > fields[1]
+      return fields, hi_lo, jnp.where(hi_lo, fields[7], 0)
 
     def sched():
       if hpc == 2:
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    @pl.when(hi > lo)
-    def _work():
-      @pl.when(wg < hpc)
-      def _compute():
-        plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
-        head = hp * hpc + wg
-        q_smem = q_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(
-          q_ref.at[pl.ds(mosaic.aligned(q_row), bq), head], q_smem, q_bar.at[wg]
-        )
-        plgpu.barrier_wait(q_bar.at[wg])
-        m_i = plgpu.layout_cast(
-          jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        l_i = plgpu.layout_cast(
-          jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        acc = plgpu.layout_cast(
-          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
-        )
+    @pl.when(wg < hpc)
+    def _compute():
+      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      head = hp * hpc + wg
 
-        @pl.when(kv_steps > 0)
+      q_smem = q_smem2.at[wg]
+
+      def load_q(j):
+        """Item j's Q tile into this warpgroup's buffer; issued once the
+        previous item's last Q K^T wgmma has read it."""
+        (q_row, *_), _, _ = item(j)
+
+        @pl.when(j < n_items)
         def _():
-          plgpu.barrier_wait(k_bar.at[0])
+          plgpu.commit_smem()  # order the wgmma reads before the TMA write
+          plgpu.copy_gmem_to_smem(
+            q_ref.at[pl.ds(mosaic.aligned(q_row), bq), head],
+            q_smem,
+            q_bar.at[wg],
+          )
 
-        pl.when(wg == 1)(sched)
+      load_q(0)
 
-        def step(i, carry, masked: bool):
+      def body(j, base):
+        fields, hi_lo, kv_steps = item(j)
+        (q_row, lo, hi, q_pos, _, kv_len, kv_lead, _, _, _, tile_id) = fields
+        plgpu.barrier_wait(q_bar.at[wg])
+
+        @pl.when(hi_lo)
+        def _work():
+          m_i = plgpu.layout_cast(
+            jnp.full((bq,), -jnp.inf, jnp.float32),
+            plgpu.Layout.WGMMA.reduce(1),
+          )
+          l_i = plgpu.layout_cast(
+            jnp.full((bq,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+          )
+          acc = plgpu.layout_cast(
+            jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
+          )
+
+          @pl.when(kv_steps > 0)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(base, mcs)])
+
+          pl.when(wg == 1)(sched)
+
+          def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(base + i, mcs)
+
+            def qk_body(acc_ref):
+              plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+              sched()
+              return acc_ref[...]
+
+            qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            # Last read of this item's Q: prefetch the next item's.
+            pl.when(i == kv_steps - 1)(lambda: load_q(j + 1))
+            if masked:
+              q_at = mosaic.iota((bq, bkv), 0) + q_pos
+              k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
+              qk = mosaic.select(q_at >= k_at, qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+            alpha = jnp.exp2(m_i - m_ij)
+            p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p16 = p.astype(dtype)
+            l_i = l_i + p.sum(axis=1)
+            acc, l_i, m_ij, p16 = lax.optimization_barrier(
+              (acc, l_i, m_ij, p16)
+            )
+            if hpc == 2:
+              plgpu.barrier_arrive(sched_bar)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if hpc == 2:
+              plgpu.barrier_wait(sched_bar)
+
+            def wait_next_k():
+              @pl.when(i + 1 < kv_steps)
+              def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(base + i + 1, mcs)])
+
+            acc = mosaic.accumulate(
+              acc, p16, v_smem.at[slot], static.interpret, wait_next_k
+            )
+            # The ring now runs across items, so this slot's next write can
+            # follow this read closely: fence, then release.
+            mosaic.release(v_free.at[slot])
+            return acc, m_ij, l_i
+
+          carry = (acc, m_i, l_i)
+          if causal:
+            # Key tiles wholly at positions <= the first valid row need no
+            # mask; the rest (the diagonal) do.
+            n_full = jnp.clip(
+              lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps
+            )
+            carry = lax.fori_loop(
+              0, n_full, functools.partial(step, masked=False), carry
+            )
+            carry = lax.fori_loop(
+              n_full, kv_steps, functools.partial(step, masked=True), carry
+            )
+          else:
+            carry = lax.fori_loop(
+              0, kv_steps, functools.partial(step, masked=False), carry
+            )
           acc, m_i, l_i = carry
-          slot = lax.rem(i, mcs)
+          pl.when(wg == 0)(sched)
 
-          def qk_body(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            sched()
-            return acc_ref[...]
-
-          qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          if masked:
-            q_at = mosaic.iota((bq, bkv), 0) + q_pos
-            k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
-            qk = mosaic.select(q_at >= k_at, qk, -jnp.inf)
-          m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
-          alpha = jnp.exp2(m_i - m_ij)
-          p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          l_i = l_i * alpha
-          p16 = p.astype(dtype)
-          l_i = l_i + p.sum(axis=1)
-          acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
-          if hpc == 2:
-            plgpu.barrier_arrive(sched_bar)
-          plgpu.barrier_wait(v_bar.at[slot])
-          if hpc == 2:
-            plgpu.barrier_wait(sched_bar)
-
-          def wait_next_k():
-            @pl.when(i + 1 < kv_steps)
-            def _():
-              plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, mcs)])
-
-          acc = mosaic.accumulate(
-            acc, p16, v_smem.at[slot], static.interpret, wait_next_k
+          # Zero-filled keys the rows saw (module docstring): positions
+          # [-lead, 0) and [kv_len, seen_end).
+          seen_end = kv_steps * bkv - kv_lead
+          rows = mosaic.row_iota(bq)
+          if causal:
+            after = jnp.clip(
+              jnp.minimum(q_pos + rows + 1, seen_end) - kv_len, 0
+            )
+            z = kv_lead + after
+          else:
+            z = seen_end + kv_lead - kv_len + rows * 0
+          z = z * (kv_steps > 0).astype(jnp.int32)
+          surplus = mosaic.select(
+            z > 0, z.astype(jnp.float32) * jnp.exp2(-m_i), 0.0
           )
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_ij, l_i
-
-        carry = (acc, m_i, l_i)
-        if causal:
-          # Key tiles wholly at positions <= the first valid row need no
-          # mask; the rest (the diagonal) do.
-          n_full = jnp.clip(lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps)
-          carry = lax.fori_loop(
-            0, n_full, functools.partial(step, masked=False), carry
+          l_i = l_i - surplus
+          ok = l_i > 0
+          l_safe = mosaic.select(ok, l_i, 1.0)
+          inv = mosaic.select(ok, 1.0 / l_safe, 0.0)
+          out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+          in_seq = (rows >= lo) & (rows < hi)
+          lse = mosaic.select(ok & in_seq, m_i + jnp.log2(l_safe), jnp.inf)
+          o_smem = o_smem2.at[wg]
+          lse_smem = lse_smem2.at[wg]
+          # The previous item's stores must have read these buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem[...] = out.astype(dtype)
+          lse_smem[...] = lse
+          plgpu.commit_smem()
+          mosaic.ladder_store(
+            o_smem,
+            lambda r, size: o_ref.at[pl.ds(q_row + r, size), head],
+            lo,
+            hi - lo,
+            bq,
           )
-          carry = lax.fori_loop(
-            n_full, kv_steps, functools.partial(step, masked=True), carry
+          plgpu.copy_smem_to_gmem(
+            lse_smem, lse_ref.at[head, pl.ds(tile_id * bq, bq)]
           )
-        else:
-          carry = lax.fori_loop(
-            0, kv_steps, functools.partial(step, masked=False), carry
-          )
-        acc, m_i, l_i = carry
-        pl.when(wg == 0)(sched)
 
-        # Zero-filled keys the rows saw (module docstring): positions
-        # [-lead, 0) and [kv_len, seen_end).
-        seen_end = kv_steps * bkv - kv_lead
-        rows = mosaic.row_iota(bq)
-        if causal:
-          after = jnp.clip(jnp.minimum(q_pos + rows + 1, seen_end) - kv_len, 0)
-          z = kv_lead + after
-        else:
-          z = seen_end + kv_lead - kv_len + rows * 0
-        z = z * (kv_steps > 0).astype(jnp.int32)
-        surplus = mosaic.select(
-          z > 0, z.astype(jnp.float32) * jnp.exp2(-m_i), 0.0
-        )
-        l_i = l_i - surplus
-        ok = l_i > 0
-        l_safe = mosaic.select(ok, l_i, 1.0)
-        inv = mosaic.select(ok, 1.0 / l_safe, 0.0)
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        in_seq = (rows >= lo) & (rows < hi)
-        lse = mosaic.select(ok & in_seq, m_i + jnp.log2(l_safe), jnp.inf)
-        o_smem = o_smem2.at[wg]
-        lse_smem = lse_smem2.at[wg]
-        o_smem[...] = out.astype(dtype)
-        lse_smem[...] = lse
-        plgpu.commit_smem()
-        mosaic.ladder_store(
-          o_smem,
-          lambda r, size: o_ref.at[pl.ds(q_row + r, size), head],
-          lo,
-          hi - lo,
-          bq,
-        )
-        plgpu.copy_smem_to_gmem(
-          lse_smem, lse_ref.at[head, pl.ds(tile_id * bq, bq)]
-        )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        pl.when(kv_steps == 0)(lambda: load_q(j + 1))  # no key loop
+        return base + kv_steps
 
-      @pl.when(wg == hpc)
-      def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-        _kv_producer(
+      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == hpc)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def body(j, base):
+        fields, _, kv_steps = item(j)
+        _kv_stream(
           k_ref,
           v_ref,
           ks_ref,
@@ -534,11 +692,23 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
           (k_smem, v_smem),
           (k_bar, v_bar),
           (k_free, v_free),
-          (kv_row, kv_steps, kv_total, seq),
+          (fields[4], kv_steps, fields[8], fields[9]),
           bkv,
           mcs,
           kv_head,
+          base,
         )
+        return base + kv_steps
+
+      total = lax.fori_loop(0, n_items, body, jnp.int32(0))
+
+      # Observe the last releases too, so every barrier phase is consumed
+      # before the CTA exits (the interpreter checks this).
+      @pl.loop(jnp.maximum(total - mcs, 0), total)
+      def _(g):
+        slot = lax.rem(g, mcs)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
@@ -561,13 +731,63 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     kernel,
     out_type=out_type,
     scratch_types=scratch,
-    grid=(n // hpc, num_items),
-    grid_names=("heads", "items"),
+    grid=(n // hpc, workers),
+    grid_names=("heads", "workers"),
     num_threads=hpc + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
-  )(items, q_tnh, k_skh, v_skh, k_side, v_side)
+  )(items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side)
+
+
+def backward_delta(o_tnh, do_tnh, items, static):
+  """`delta = rowsum(O * dO)` in `lse`'s tile-padded layout `f32[n, i * bq]`
+  for the fused backward (the unfused one forms it in its dQ kernel): one
+  small CTA per (query head, query item) loads the O and dO tiles by TMA
+  and writes the row sums. Rows of a tile outside its sequence get other
+  rows' sums (finite): every consumer multiplies them by `P = 0`.
+  """
+  t, n, h = o_tnh.shape
+  dtype = o_tnh.dtype
+  bq = static.block_sizes.block_q
+  num_items = items.shape[0]
+
+  def kernel(items_ref, o_ref, do_ref, delta_ref, o_smem, do_smem, d_smem, bar):
+    it = lax.axis_index("items")
+    head = lax.axis_index("heads")
+    q_row, lo, hi = items_ref[it, 0], items_ref[it, 1], items_ref[it, 2]
+    tile_id = items_ref[it, 10]
+
+    @pl.when(hi > lo)
+    def _():
+      rows = pl.ds(mosaic.aligned(q_row), bq)
+      plgpu.copy_gmem_to_smem(o_ref.at[rows, head], o_smem, bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
+      plgpu.barrier_wait(bar)
+      wgmma = plgpu.Layout.WGMMA
+      o_tile = plgpu.load(o_smem, layout=wgmma).astype(jnp.float32)
+      do_tile = plgpu.load(do_smem, layout=wgmma).astype(jnp.float32)
+      d_smem[...] = (o_tile * do_tile).sum(axis=1)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+        d_smem, delta_ref.at[head, pl.ds(tile_id * bq, bq)]
+      )
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
+    scratch_types=[
+      mosaic.smem_tile((bq, h), dtype),
+      mosaic.smem_tile((bq, h), dtype),
+      plgpu.SMEM((bq,), jnp.float32),
+      plgpu.Barrier(num_arrivals=2),
+    ],
+    grid=(n, num_items),
+    grid_names=("heads", "items"),
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(items, o_tnh, do_tnh)
 
 
 # --------------------------------------------------------------------------
@@ -752,9 +972,33 @@ def backward_dq(
 # Backward: dK, dV (per key tile, streaming query tiles of every head).
 
 
-def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
-  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group."""
+def backward_dkv(
+  q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static, k_side=None, dq=None
+):
+  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
+
+  Fused (`dq`, an f32 `[t + 64, n, h]` ref of zeros, given; in interpret
+  mode `[i, t + 64, n, h]`, one slice per item, summed by the caller, as the
+  GPU interpreter has no TMA reduction): the kernel also
+  forms `dQ = dS K` (unscaled) and adds it into `dq` with TMA reduce-add, so
+  no dQ kernel recomputes `S` and `dP` (5 matmul passes per tile pair
+  instead of 7). Each step, both consumers write their `dS^T` (64 keys x 64
+  queries, bf16) into a double-buffered shared tile and meet at a barrier;
+  then each computes 64 of dQ's columns over all 128 keys
+  (`dS^T[w]^T K[w]` for both halves `w`; with head dim 64 the one column
+  block goes to the warpgroups in turn) and reduce-adds it from its own f32
+  staging buffer. The double buffer lets a warpgroup write step `j+1`'s dS
+  while the other may still read step `j`'s; step `j+2` waits for the
+  barrier of `j+1`, which the other passes only after its step-`j` dQ.
+  Key rows outside the tile's sequence must be zero here (else `dS K`
+  picks up other sequences' keys): a sequence's first and last key tile
+  come from the forward's zero-filled side tiles `k_side` (same 128-row
+  grid). Their `dS` is not zero (`P = 2^(-lse)`), but `dS 0 = 0`.
+  """
+  fused = dq is not None
   t, n, h = q_tnh.shape
+  if fused and (k_side.shape[2] != 2 * static.block_sizes.block_kv_dkv):
+    raise ValueError("fused backward: side tiles must match the key tile")
   s, kh, _ = k_skh.shape
   dtype = q_tnh.dtype
   group = n // kh
@@ -773,18 +1017,22 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
     do_ref,
     lse_ref,
     delta_ref,
-    dk_ref,
-    dv_ref,
-    *scratch,
+    *refs,
   ):
-    (k_smem2, v_smem2, dk_smem2, dv_smem2) = scratch[:4]
-    (q_smem, do_smem, lse_smem, delta_smem) = scratch[4:8]
-    (kv_bar, q_bar, do_bar, lse_bar, delta_bar, free) = scratch[8:]
+    if fused:
+      ks_ref, dq_ref, dk_ref, dv_ref, *scratch = refs
+      (ds_smem, dq_stage, ds_bar) = scratch[13:]
+    else:
+      dk_ref, dv_ref, *scratch = refs
+    (k_smem2, v_smem2, kv_stage) = scratch[:3]
+    (q_smem, do_smem, lse_smem, delta_smem) = scratch[3:7]
+    (kv_bar, q_bar, do_bar, lse_bar, delta_bar, free) = scratch[7:13]
     it = lax.axis_index("items")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     (kv_row, lo, hi, kv_pos, q_row0, q_lead, t_first, q_steps, n_masked,
-     tile_id0) = [items_ref[it, f] for f in range(10)]  # fmt: skip
+     tile_id0, seq, kv_tile, kv_total) = [
+      items_ref[it, f] for f in range(13)]  # fmt: skip
     total = q_steps * group
 
     def coords(j):
@@ -801,9 +1049,25 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
         v_smem = v_smem2.at[wg]
         base = mosaic.aligned(kv_row + wg * bkv)
         bar = kv_bar.at[wg]
-        plgpu.copy_gmem_to_smem(
-          k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
-        )
+        if fused:  # zero rows outside the sequence (see docstring)
+          edge = (kv_tile == 0) | (kv_tile == kv_total - 1)
+
+          @pl.when(edge)
+          def _():
+            which = jnp.where(kv_tile == 0, 0, 1)
+            plgpu.copy_gmem_to_smem(
+              ks_ref.at[seq, which, pl.ds(wg * bkv, bkv), kv_head], k_smem, bar
+            )
+
+          @pl.when(jnp.logical_not(edge))
+          def _():
+            plgpu.copy_gmem_to_smem(
+              k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+            )
+        else:
+          plgpu.copy_gmem_to_smem(
+            k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+          )
         plgpu.copy_gmem_to_smem(
           v_ref.at[pl.ds(base, bkv), kv_head], v_smem, bar
         )
@@ -842,11 +1106,50 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
             delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
           )
           dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
-          dk = mosaic.accumulate(
-            dk, dst.astype(dtype), q_smem.at[slot], static.interpret
-          )
+          ds16 = dst.astype(dtype)
+          dk = mosaic.accumulate(dk, ds16, q_smem.at[slot], static.interpret)
           mosaic.release(free.at[slot])
+          if fused:
+            head, _ = coords(j)
+            add_dq(j, head, tile, ds16)
           return dk, dv
+
+        def add_dq(j, head, tile, ds16):
+          """dQ of this step's query tile from both halves' dS."""
+          buf = lax.rem(j, 2)
+          ds_smem.at[buf, wg][...] = ds16
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_bar)
+          plgpu.barrier_wait(ds_bar)
+          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
+          for part in range(h // 64):
+            cols = pl.ds(part * 64, 64)
+
+            @pl.when(lax.rem(j + part, 2) == wg)
+            def _(cols=cols):
+              def scoped(acc_ref):
+                for w in range(wgs):
+                  plgpu.wgmma(
+                    acc_ref,
+                    ds_smem.at[buf, w].transpose((1, 0)),
+                    k_smem2.at[w].at[:, cols],
+                  )
+                return acc_ref[...]
+
+              dq_part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
+              stage = dq_stage.at[wg]
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              stage[...] = dq_part
+              plgpu.commit_smem()
+              if static.interpret is None:
+                plgpu.copy_smem_to_gmem(
+                  stage, dq_ref.at[rows, head, cols], reduction_op="add"
+                )
+              else:
+                # The GPU interpreter has no TMA reduction: each CTA
+                # stores into its own slice (one CTA's steps touch
+                # disjoint (head, query tile) windows), summed outside.
+                plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
 
         carry = (zeros, zeros)
         if causal:
@@ -869,17 +1172,17 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
             0, total, functools.partial(step, masked=False), carry
           )
         dk, dv = carry
-        dk_smem = dk_smem2.at[wg]
-        dv_smem = dv_smem2.at[wg]
-        dk_smem[...] = (dk * static.scale).astype(dtype)
-        dv_smem[...] = dv.astype(dtype)
-        plgpu.commit_smem()
+        # dK, then dV, through one staging buffer.
+        stage = kv_stage.at[wg]
         my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
-        for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
+        for val, dst in ((dk * static.scale, dk_ref), (dv, dv_ref)):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage[...] = val.astype(dtype)
+          plgpu.commit_smem()
           mosaic.ladder_store(
-            src,
+            stage,
             lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
             my_lo,
             count,
@@ -928,7 +1231,6 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
     mosaic.smem_tile((wgs, bkv, h), dtype),
     mosaic.smem_tile((wgs, bkv, h), dtype),
     plgpu.SMEM((wgs, bkv, h), dtype),
-    plgpu.SMEM((wgs, bkv, h), dtype),
     mosaic.smem_tile((mcs, bq, h), dtype),
     mosaic.smem_tile((mcs, bq, h), dtype),
     plgpu.SMEM((mcs, bq), jnp.float32),
@@ -940,6 +1242,20 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
     plgpu.Barrier(num_barriers=mcs),
     plgpu.Barrier(num_arrivals=wgs, num_barriers=mcs),
   ]
+  args = [items, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
+  if fused:
+    scratch += [
+      mosaic.smem_tile((2, wgs, bkv, bq), dtype),
+      plgpu.SMEM(
+        (wgs, bq, 64),
+        jnp.float32,
+        transforms=(plgpu.TilingTransform((8, 32)), mosaic.SWIZZLE)
+        if bs.dq_swizzle
+        else (),
+      ),
+      plgpu.Barrier(num_arrivals=wgs),
+    ]
+    args += [k_side, dq]
   kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
   return plgpu.kernel(
     kernel,
@@ -951,4 +1267,4 @@ def backward_dkv(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static):
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
-  )(items, q_tnh, k_skh, v_skh, do_tnh, lse, delta)
+  )(*args)

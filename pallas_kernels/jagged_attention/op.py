@@ -38,8 +38,9 @@ def _fwd(static, q, k, v, q_off, kv_off):
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
-  fwd_tables = (items, k_side, v_side)  # the dQ kernel's too, same block_kv
-  if bs.block_kv_dq != bs.block_kv:
+  # The dQ kernel's too (same block_kv), or the fused backward's.
+  fwd_tables = (items, k_side, v_side)
+  if not bs.fused_bwd and bs.block_kv_dq != bs.block_kv:
     fwd_tables = None
   res = (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b, fwd_tables)
   return o[:t], res
@@ -61,6 +62,22 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   t, s = q.shape[0], k.shape[0]
+  if bs.fused_bwd:
+    return _bwd_fused(
+      static,
+      q,
+      k,
+      v,
+      do,
+      o,
+      lse,
+      q_off,
+      kv_off,
+      tile_start_b,
+      fwd_tables,
+      t_in,
+      s_in,
+    )
   if fwd_tables is None:  # a dQ key block other than the forward's
     items_q, _ = mg.query_items(
       q_off,
@@ -88,6 +105,53 @@ def _bwd(static, res, do):
   )
   dk, dv = mg.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
   return dq[:t_in], dk[:s_in], dv[:s_in], None, None
+
+
+def _bwd_fused(
+  static,
+  q,
+  k,
+  v,
+  do,
+  o,
+  lse,
+  q_off,
+  kv_off,
+  tile_start_b,
+  fwd_tables,
+  t_in,
+  s_in,
+):
+  """dQ, dK, dV in one kernel (`mg.backward_dkv` with `dq`) after the
+  delta kernel; dQ accumulated in f32 by TMA reduce-add, then scaled and
+  cast."""
+  bs = static.block_sizes
+  items, k_side, _ = fwd_tables
+  t, n, h = q.shape
+  delta = mg.backward_delta(o, do, items, static)
+  items_kv = mg.key_items(
+    q_off,
+    kv_off,
+    k.shape[0],
+    tile_start_b,
+    block_q=bs.block_q,
+    block_kv=2 * bs.block_kv_dkv,
+    causal=static.causal,
+  )
+  # One spare tile of rows: a query tile's window may run past `t`. The
+  # interpreter has no TMA reduce-add: one slice per item there, summed.
+  shape = (t + bs.block_q, n, h)
+  if static.interpret is not None:
+    shape = (items_kv.shape[0], *shape)
+  dq_ref = jax.new_ref(jnp.zeros(shape, jnp.float32))
+  dk, dv = mg.backward_dkv(
+    q, k, v, do, lse, delta, items_kv, static, k_side=k_side, dq=dq_ref
+  )
+  dq = dq_ref[...]
+  if static.interpret is not None:
+    dq = dq.sum(axis=0)
+  dq = (dq[:t_in] * static.scale).astype(q.dtype)
+  return dq, dk[:s_in], dv[:s_in], None, None
 
 
 _attention.defvjp(_fwd, _bwd)

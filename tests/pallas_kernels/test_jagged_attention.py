@@ -92,10 +92,23 @@ def _check_case(
 SELF_LENS = [70, 0, 1, 130, 9]
 
 
-@pytest.mark.parametrize("block_kv_dq", [128, 64])
-def test_causal_self_attention_interpret(block_kv_dq):
-  # 128: the dQ kernel reuses the forward's work list and side tiles (head
-  # dim 64 default); 64: it builds its own (head dim 128 default).
+@pytest.mark.parametrize(
+  "block_sizes",
+  [
+    mg.BlockSizes(num_sms=1),
+    mg.BlockSizes(dq_swizzle=True),
+    mg.BlockSizes(fused_bwd=False, block_kv_dq=128, num_sms=1),
+    mg.BlockSizes(fused_bwd=False, block_kv_dq=64, persistent=False),
+  ],
+  ids=["fused", "fused-swizzled", "dq128", "dq64-per-item"],
+)
+def test_causal_self_attention_interpret(block_sizes):
+  # Default: persistent forward (with one SM, one CTA walks every item: Q
+  # prefetch, K/V ring and output stores run across item boundaries) and
+  # the fused backward (dQ by reduce-add from the dK/dV kernel; its f32
+  # staging plain or tiled and swizzled). The unfused
+  # backward's dQ kernel with 128-key steps reuses the forward's work list
+  # and side tiles, with 64 it builds its own; one forward CTA per item.
   _check_case(
     SELF_LENS,
     None,
@@ -106,7 +119,7 @@ def test_causal_self_attention_interpret(block_kv_dq):
     causal=True,
     tail=5,
     seed=1,
-    block_sizes=mg.BlockSizes(block_kv_dq=block_kv_dq),
+    block_sizes=block_sizes,
   )
 
 
@@ -150,8 +163,15 @@ def test_no_races_interpret(causal):
   t = int(q_off[-1]) + 5
   q, k, v, do = cases.inputs(4, t, t, 2, 1, 64, jnp.bfloat16)
 
+  # One SM: the persistent forward's CTAs walk several items each.
   attn = lambda q, k, v: jagged_attention_mosaic(
-    q, k, v, q_off, causal=causal, interpret=cases.RACE_PARAMS
+    q,
+    k,
+    v,
+    q_off,
+    causal=causal,
+    block_sizes=mg.BlockSizes(num_sms=1),
+    interpret=cases.RACE_PARAMS,
   )
   cases.assert_no_races(attn, q, k, v, do)
 
