@@ -24,8 +24,15 @@ variants, one pass from registers, two-stage dgamma):
   async copy (TMA `cp.async.bulk`), no tensor map and no 256-element box
   limit. Each of `g` persistent blocks walks tiles `b, b+g, b+2g, ...` with a
   ring of `stages` input buffers (copies for the next tiles are in flight
-  while one tile is computed) and two output buffers per output (the store
-  of tile k drains while tile k+1 is computed).
+  while one tile is computed) and `out_slots` output buffers per output
+  (the stores of the last `out_slots - 1` tiles drain while the next is
+  computed). The forward keeps few loads ahead and many stores in flight
+  (2 stages, 4 slots): on the H200 a deeper read-ahead (4 stages) made the
+  D=512 forward 3% slower, its loads crowding out the writes.
+- The forward's tile height is chosen for the last wave (`balance`): the
+  busiest of the `g` blocks handles `ceil(ceil(t/m)/g)·m` rows, so among
+  heights near the target it takes the one with the fewest (T=262,144,
+  D=512: 12 rows, 1992 per block, against 16 rows and 2000).
 - Registers hold a tile in a row layout: each warp owns whole rows, each
   lane 16 contiguous bytes of a row (8 bf16 / 4 f32), so shared-memory
   loads and stores are 16 bytes wide and conflict-free, and the row sums are
@@ -53,9 +60,15 @@ variants, one pass from registers, two-stage dgamma):
   instead, so the stale-row case is covered by the `gpu` tests.)
 
 Measured on H200 (benchmarks/rms_norm.py, T=262,144, bf16, residual and
-gamma): the backward runs at 95-99% of the device copy bandwidth, 2.6-3.0x
-XLA's fused VJP; the forward at 88-91%, 1.17-1.18x XLA: it writes as many
-bytes as it reads, and here a written byte costs more than a read one.
+gamma, 2026-11-30): the backward runs at 93-100% of the device copy
+bandwidth, 2.5-3.1x XLA's fused VJP; the forward at 91.0% / 92.0% of copy,
+1.22x / 1.17x XLA at D=512 / D=2048. The forward writes as many bytes as it
+reads and here a written byte costs more than a read one: the same pipeline
+copying x -> y without compute reaches 91% of XLA's copy, the backward (3
+reads, 1 write) 99%. Variants that did not pay (BlockSizes fields, kept
+for measurement): L2 evict_first bulk stores, contiguous tile runs, 2
+blocks per SM, 32 KiB tiles; direct register loads are 1% faster at
+D=2048 only (where a 4-row tile is 16 KiB per input).
 
 Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
@@ -98,18 +111,19 @@ _SMEM_BUDGET = 200 * 1024
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tiling of one kernel. Defaults tuned on H200 (benchmarks/rms_norm.py
-  --sweep / --variants): the forward is flat within 3% over 8-32 rows, 1-6
-  stages and 1-2 blocks per SM; the backward needs <= 32 values per thread
-  (2 warps per row at d=2048: 1.03 ms, against 1.76 ms with 64 values and
-  spills).
+  --sweep / --variants): the forward is flat within 1% over 8-32 rows and
+  1-2 blocks per SM, but 3% faster at D=512 with 2 input stages than with
+  3-4; the backward needs <= 32 values per thread (2 warps per row at
+  d=2048: 1.03 ms, against 1.76 ms with 64 values and spills).
 
   block_rows: rows `m` of one tile; `None` = about `tile_bytes` of input
     (in the forward, with `balance`, the row count near it that evens out
     the tiles per block).
   warps_per_row: warps sharing one row (1 or 2); `None` = 1, or 2 when a
     thread would otherwise hold more than `max_elems` values of a tile.
-  stages: input buffers in the ring; `None` = as many as fit (at most
-    `max_stages`).
+  stages: input buffers in the ring; `None` = as many as fit, at most
+    `max_stages` (`None` = 2 in the forward, 4 in the backward and the
+    forward with FP8 output).
   num_blocks: persistent blocks `g`; one per SM fills the chip.
   tile_bytes: `None` = 16 KiB forward, 8 KiB backward (the backward holds
     more per element in registers: h, dy and the dgamma accumulator).
@@ -127,14 +141,19 @@ class BlockSizes:
     is then nearly full instead of leaving most blocks idle.
   pdl: programmatic dependent launch: the kernel may start while the
     previous kernel in the stream drains (`griddepcontrol.wait` before any
-    global memory access), and lets the next one start early.
+    global memory access), and lets the next one start early. `None` = on
+    in the forward (H200: within 0.5%), off in the backward (D=512: 0.2749
+    ms with, 0.2685 without, same run).
   store_hint: `"evict_first"` = bulk stores carry an L2 evict-first cache
     policy (written lines leave L2 first), `None` = default policy.
   order: `"strided"` = block `b` takes tiles `b, b+g, ...` (all blocks
     sweep one window of the arrays); `"contiguous"` = block `b` takes one
     run of consecutive tiles.
   out_slots: SMEM buffers per output for bulk stores (a store may drain
-    while `out_slots - 1` later tiles are computed).
+    while `out_slots - 1` later tiles are computed); `None` = 4 in the
+    forward, 2 in the backward and the forward with FP8 output. H200,
+    D=512 forward: 4 output slots and 2 stages 0.2819 ms against 0.2906
+    with 2 and 4 (same SMEM); D=2048 the same within 0.3%.
   """
 
   block_rows: int | None = None
@@ -142,15 +161,15 @@ class BlockSizes:
   stages: int | None = None
   num_blocks: int = H200_NUM_SMS
   tile_bytes: int | None = None
-  max_stages: int = 4
+  max_stages: int | None = None
   max_elems: int | None = None
   direct_stores: bool = False
   direct_loads: bool = False
   balance: bool = True
-  pdl: bool = True
+  pdl: bool | None = None
   store_hint: str | None = None
   order: str = "strided"
-  out_slots: int = 2
+  out_slots: int | None = None
 
 
 def _vec(itemsize: int) -> int:
@@ -289,6 +308,13 @@ def make_config(
     raise ValueError(f"unknown tile order {bs.order!r}")
   if bs.store_hint not in (None, "evict_first"):
     raise ValueError(f"unknown store hint {bs.store_hint!r}")
+  # The plain forward keeps more stores than loads in flight (measured).
+  plain_fwd = not bwd and not quantize
+  bs = dataclasses.replace(
+    bs,
+    out_slots=bs.out_slots or (4 if plain_fwd else 2),
+    max_stages=bs.max_stages or (2 if plain_fwd else 4),
+  )
   tile_bytes = bs.tile_bytes or (8 if bwd else 16) * 1024
   max_elems = bs.max_elems or (32 if bwd else 64)
   wpr = bs.warps_per_row
@@ -368,7 +394,7 @@ def make_config(
     direct_stores=bs.direct_stores or direct_loads,
     quantize=quantize,
     direct_loads=direct_loads,
-    pdl=bs.pdl and not interpret,
+    pdl=(not bwd if bs.pdl is None else bs.pdl) and not interpret,
     store_hint=None if interpret else bs.store_hint,
     order=bs.order,
     out_slots=bs.out_slots,
