@@ -45,6 +45,7 @@ BF16 = jnp.bfloat16
 DN = (((1,), (0,)), ((), ()))
 GOAL_FWD, GOAL_BWD, GOAL_QUANT = 1.3, 1.5, 0.7
 QUICK = False  # --quick: the default format (deepseek) only
+NO_BWD = False  # --no-bwd: forward and kernels only (short device runs)
 OUT_DIR = None
 
 
@@ -164,10 +165,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   def bf16_bwd(x, w, dy):
     return jax.vjp(jnp.dot, x, w)[1](dy)
 
-  t_bf16_b = _time(jax.jit(bf16_bwd), sets)
-  b.add(
-    case, "xla bf16 (cuBLAS)", "bwd ms", t_bf16_b * 1e3, lower_is_better=True
-  )
+  if not NO_BWD:
+    t_bf16_b = _time(jax.jit(bf16_bwd), sets)
+    b.add(
+      case, "xla bf16 (cuBLAS)", "bwd ms", t_bf16_b * 1e3, lower_is_better=True
+    )
 
   # ---- ours
   variants = [
@@ -177,7 +179,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     ("deepseek", 128),
   ]
   if QUICK:
-    variants = [("deepseek", None), ("deepseek", 128)]
+    variants = [("deepseek", None)]
   for fmt_name, hb in variants:
     label = f"ours {fmt_name}" + (f" H{hb}" if hb else "")
 
@@ -260,6 +262,8 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   ]
   if QUICK:
     bwd_variants = [("deepseek", None, False), ("deepseek", None, True)]
+  if NO_BWD:
+    bwd_variants = []
   for fmt_name, hb, rhs_fp8 in bwd_variants:
     label = f"ours {fmt_name}" + (" dW fp8" if rhs_fp8 else " dW bf16")
 
@@ -548,14 +552,15 @@ def main(argv=None):
     "--tiny", action="store_true", help="small shapes: a dry run of the script"
   )
   p.add_argument("--quick", action="store_true")
+  p.add_argument("--no-bwd", action="store_true")
   p.add_argument(
     "--sweep-only",
     action="store_true",
     help="only the matmul tile sweep and the quantize kernel sweep",
   )
   args = p.parse_args(argv)
-  global QUICK, OUT_DIR
-  QUICK, OUT_DIR = args.quick, args.out
+  global QUICK, NO_BWD, OUT_DIR
+  QUICK, NO_BWD, OUT_DIR = args.quick, args.no_bwd, args.out
   print(jax.devices(), jax.__version__, flush=True)
   b = Bench()
   copy_bw = copy_bandwidth(b)
