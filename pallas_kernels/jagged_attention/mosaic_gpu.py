@@ -126,7 +126,8 @@ class BlockSizes:
   max_concurrent_steps: int = 2  # ring depth of the producer
   persistent: bool = True  # forward: persistent CTAs (see `forward`)
   fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
-  dq_swizzle: bool = False  # fused: f32 dQ staging tiled + swizzled
+  dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
+  # memory: the wgmma-layout store hits one bank octet per 8 rows)
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
