@@ -21,6 +21,7 @@ other block sizes (`--tune`).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -232,10 +233,15 @@ def tune(h, case, q_off, kv_off, sets, extra):
 
 def breakdown(h, case, q_off, kv_off, sets, times, extra):
   """Kernel-only times: the forward, dQ and dK/dV kernels with prebuilt
-  work lists and side tiles, and the XLA pieces around them."""
+  work lists and side tiles, the fused backward's delta and dK/dV+dQ
+  kernels (the latter with its f32 dQ buffer's zero fill), and the XLA
+  pieces around them."""
   bs = mg.BlockSizes.default(h)
   static = mg._Static(
     causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
+  )
+  static_fused = dataclasses.replace(
+    static, block_sizes=dataclasses.replace(bs, fused_bwd=True)
   )
   t = sets[0][0].shape[0]
   s = sets[0][1].shape[0]
@@ -297,6 +303,29 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static
     )
 
+  def t_delta(x, p):
+    return mg.backward_delta(p["o"], x[3], p["items"], static_fused)
+
+  def t_fused(x, p):
+    q, k, v, do = x
+    shape = (t + bs.block_q, N, h)
+    if INTERPRET is not None:  # no TMA reduction: one slice per item
+      shape = (p["items_kv"].shape[0], *shape)
+    dq = jax.new_ref(jnp.zeros(shape, jnp.float32))
+    dk, dv = mg.backward_dkv(
+      q,
+      k,
+      v,
+      do,
+      p["lse"],
+      p["delta"],
+      p["items_kv"],
+      static_fused,
+      k_side=p["side"][0],
+      dq=dq,
+    )
+    return dk, dv, dq[...]
+
   def t_sched(x, p):
     q, k, v, _ = x
     items, _ = mg.query_items(
@@ -309,10 +338,12 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     ("fwd_kernel", t_fwd),
     ("dq_kernel_with_delta", t_dq),
     ("dkv_kernel", t_dkv),
+    ("fused_delta_kernel", t_delta),
+    ("fused_dkv_dq_kernel_with_zero_fill", t_fused),
     ("fwd_schedule_and_side_tiles", t_sched),
   ]:
     sec = common.time_sets(fn, full)  # fn(x, p) per (inputs, prebuilt) pair
-    print(f"{case:16s} {name:28s} {sec * 1e3:8.3f} ms", flush=True)
+    print(f"{case:16s} {name:34s} {sec * 1e3:8.3f} ms", flush=True)
     extra.append({"case": case, "part": name, "ms": sec * 1e3})
 
 

@@ -142,7 +142,7 @@ class BlockSizes:
   def default(head_dim: int) -> "BlockSizes":
     """Measured on the H200 (.notes/jagged_attention.md, session 4): the
     fused backward is 5% faster than the two-kernel one at head dim 64 and
-    7% slower at 128, so 128 keeps the dQ kernel (64-key steps: a 128-key
+    7-9% slower at 128, so 128 keeps the dQ kernel (64-key steps: a 128-key
     ring does not fit beside its O/dQ, delta and row-reduction buffers,
     233.6 KB > 227 KB)."""
     if head_dim <= 64:
