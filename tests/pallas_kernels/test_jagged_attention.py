@@ -213,21 +213,32 @@ def test_surplus_subtraction_kernel_interpret():
 
 
 def test_vmap_interpret():
-  # The model may vmap the op over a leading data-shard axis.
+  # The model may vmap the op over a leading data-shard axis, gradients
+  # included (the fused backward writes dQ into a `jax.new_ref` buffer,
+  # which must be batched too).
   lens = np.array([[9, 0, 5], [1, 7, 4]])
   off = np.stack([cases.offsets(x) for x in lens])
   t = 16
-  q, k, v, _ = cases.inputs(5, 2 * t, 2 * t, 2, 1, 64, jnp.bfloat16)
-  q, k, v = (x.reshape(2, t, *x.shape[1:]) for x in (q, k, v))
-  got = jax.vmap(lambda *a: jagged_attention_mosaic(*a, causal=True))(
-    q, k, v, off
+  q, k, v, do = cases.inputs(5, 2 * t, 2 * t, 2, 1, 64, jnp.bfloat16)
+  q, k, v, do = (x.reshape(2, t, *x.shape[1:]) for x in (q, k, v, do))
+
+  def fwd_bwd(fn, q, k, v, off, do):
+    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, off, causal=True), q, k, v)
+    return (o, *vjp(do))
+
+  got = jax.vmap(lambda *a: fwd_bwd(jagged_attention_mosaic, *a))(
+    q, k, v, off, do
   )
   for i in range(2):
-    want = jagged_attention_reference(
-      *(x[i].astype(jnp.float32) for x in (q, k, v)), off[i], causal=True
+    want = fwd_bwd(
+      jagged_attention_reference,
+      *(x[i].astype(jnp.float32) for x in (q, k, v)),
+      off[i],
+      do[i].astype(jnp.float32),
     )
-    err = cases.rel_err(np.asarray(got[i], np.float32), np.asarray(want))
-    assert err < cases.REL_TOL[jnp.bfloat16]
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+      err = cases.rel_err(np.asarray(g[i], np.float32), np.asarray(w))
+      assert err < cases.REL_TOL[jnp.bfloat16], (name, err)
 
 
 @pytest.mark.parametrize("causal", [False, True])
