@@ -200,13 +200,20 @@ def run_case(h, mix, rng, args, records, extra):
 
 # Variants beside each head dim's default (`BlockSizes.default`) and what
 # to time for each: the fused backward at D=128 (the default keeps the dQ
-# kernel there), its plain-memory dQ staging at 64. Measured before and in
-# the notes: the non-persistent forward; at D=128 block_kv 64, a 3-stage
-# ring and dQ key block 128 (slower, over shared memory, over shared
-# memory).
+# kernel there) with and without the dS exchange between the consumers;
+# at 64 the fused one without the exchange and the dQ kernel. Measured
+# before and in the notes: the non-persistent forward, plain dQ staging; at
+# D=128 block_kv 64, a 3-stage ring and dQ key block 128 (slower, over
+# shared memory, over shared memory).
 TUNE = {
-  128: [(mg.BlockSizes(fused_bwd=True), ("fwdbwd",))],
-  64: [(mg.BlockSizes(block_kv_dq=128, dq_swizzle=False), ("fwdbwd",))],
+  128: [
+    (mg.BlockSizes(fused_bwd=True), ("fwdbwd",)),
+    (mg.BlockSizes(fused_bwd=True, dq_exchange=False), ("fwdbwd",)),
+  ],
+  64: [
+    (mg.BlockSizes(block_kv_dq=128, dq_exchange=False), ("fwdbwd",)),
+    (mg.BlockSizes(block_kv_dq=128, fused_bwd=False), ("fwdbwd",)),
+  ],
 }
 
 
@@ -310,7 +317,7 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     q, k, v, do = x
     shape = (t + bs.block_q, N, h)
     if INTERPRET is not None:  # no TMA reduction: one slice per item
-      shape = (p["items_kv"].shape[0], *shape)
+      shape = (p["items_kv"].shape[0], 2, *shape)
     dq = jax.new_ref(jnp.zeros(shape, jnp.float32))
     dk, dv = mg.backward_dkv(
       q,

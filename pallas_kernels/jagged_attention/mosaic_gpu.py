@@ -128,6 +128,7 @@ class BlockSizes:
   fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
   dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
   # memory: the wgmma-layout store hits one bank octet per 8 rows)
+  dq_exchange: bool = True  # fused: dS halves shared (`backward_dkv`)
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
@@ -979,8 +980,8 @@ def backward_dkv(
   """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
 
   Fused (`dq`, an f32 `[t + 64, n, h]` ref of zeros, given; in interpret
-  mode `[i, t + 64, n, h]`, one slice per item, summed by the caller, as the
-  GPU interpreter has no TMA reduction): the kernel also
+  mode `[i, 2, t + 64, n, h]`, one slice per item and consumer, summed by
+  the caller, as the GPU interpreter has no TMA reduction): the kernel also
   forms `dQ = dS K` (unscaled) and adds it into `dq` with TMA reduce-add, so
   no dQ kernel recomputes `S` and `dP` (5 matmul passes per tile pair
   instead of 7). Each step, both consumers write their `dS^T` (64 keys x 64
@@ -991,6 +992,10 @@ def backward_dkv(
   staging buffer. The double buffer lets a warpgroup write step `j+1`'s dS
   while the other may still read step `j`'s; step `j+2` waits for the
   barrier of `j+1`, which the other passes only after its step-`j` dQ.
+  That barrier holds the two consumers in step (a producer stall or one
+  warpgroup's softmax stops both). `dq_exchange=False` drops it: each
+  consumer adds its own half's `dS^T[w]^T K[w]` over all columns (64 at a
+  time through its staging buffer), twice the reduce traffic.
   Key rows outside the tile's sequence must be zero here (else `dS K`
   picks up other sequences' keys): a sequence's first and last key tile
   come from the forward's zero-filled side tiles `k_side` (same 128-row
@@ -1115,14 +1120,45 @@ def backward_dkv(
             add_dq(j, head, tile, ds16)
           return dk, dv
 
+        def reduce_add(dq_part, rows, head, cols):
+          stage = dq_stage.at[wg]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage[...] = dq_part
+          plgpu.commit_smem()
+          if static.interpret is None:
+            plgpu.copy_smem_to_gmem(
+              stage, dq_ref.at[rows, head, cols], reduction_op="add"
+            )
+          else:
+            # The GPU interpreter has no TMA reduction: each warpgroup of
+            # each CTA stores into its own slice (one CTA's steps touch
+            # disjoint (head, query tile) windows), summed outside.
+            plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, wg, rows, head, cols])
+
         def add_dq(j, head, tile, ds16):
           """dQ of this step's query tile from both halves' dS."""
+          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
+          if not bs.dq_exchange:
+            # Own half only, all columns: no barrier, twice the reduce
+            # traffic. The buffer is free again: this warpgroup's last
+            # wgmma reading it has completed.
+            ds_own = ds_smem.at[0, wg]
+            ds_own[...] = ds16
+            plgpu.commit_smem()
+            for part in range(h // 64):
+              cols = pl.ds(part * 64, 64)
+              dq_part = mosaic.matmul(
+                ds_own.transpose((1, 0)),
+                k_smem2.at[wg].at[:, cols],
+                (bq, 64),
+              )
+              reduce_add(dq_part, rows, head, cols)
+            return
           buf = lax.rem(j, 2)
           ds_smem.at[buf, wg][...] = ds16
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_bar)
           plgpu.barrier_wait(ds_bar)
-          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
           for part in range(h // 64):
             cols = pl.ds(part * 64, 64)
 
@@ -1138,19 +1174,7 @@ def backward_dkv(
                 return acc_ref[...]
 
               dq_part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
-              stage = dq_stage.at[wg]
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              stage[...] = dq_part
-              plgpu.commit_smem()
-              if static.interpret is None:
-                plgpu.copy_smem_to_gmem(
-                  stage, dq_ref.at[rows, head, cols], reduction_op="add"
-                )
-              else:
-                # The GPU interpreter has no TMA reduction: each CTA
-                # stores into its own slice (one CTA's steps touch
-                # disjoint (head, query tile) windows), summed outside.
-                plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
+              reduce_add(dq_part, rows, head, cols)
 
         carry = (zeros, zeros)
         if causal:
@@ -1246,7 +1270,7 @@ def backward_dkv(
   args = [items, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
   if fused:
     scratch += [
-      mosaic.smem_tile((2, wgs, bkv, bq), dtype),
+      mosaic.smem_tile((2 if bs.dq_exchange else 1, wgs, bkv, bq), dtype),
       plgpu.SMEM(
         (wgs, bq, 64),
         jnp.float32,

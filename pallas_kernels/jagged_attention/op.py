@@ -139,17 +139,18 @@ def _bwd_fused(
     causal=static.causal,
   )
   # One spare tile of rows: a query tile's window may run past `t`. The
-  # interpreter has no TMA reduce-add: one slice per item there, summed.
+  # interpreter has no TMA reduce-add: one slice per item and consumer
+  # warpgroup there, summed.
   shape = (t + bs.block_q, n, h)
   if static.interpret is not None:
-    shape = (items_kv.shape[0], *shape)
+    shape = (items_kv.shape[0], 2, *shape)
   dq_ref = jax.new_ref(jnp.zeros(shape, jnp.float32))
   dk, dv = mg.backward_dkv(
     q, k, v, do, lse, delta, items_kv, static, k_side=k_side, dq=dq_ref
   )
   dq = dq_ref[...]
   if static.interpret is not None:
-    dq = dq.sum(axis=0)
+    dq = dq.sum(axis=(0, 1))
   dq = (dq[:t_in] * static.scale).astype(q.dtype)
   return dq, dk[:s_in], dv[:s_in], None, None
 
