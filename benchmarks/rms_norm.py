@@ -14,7 +14,7 @@ The ceiling is a device-to-device copy measured in the same process
 Also timed, to show where the time goes (--parts): the same pipeline moving
 tiles without computing ("copy through SMEM"), the forward without
 residual, XLA's copy of x; with --variants, forward pipeline variants
-(`VARIANTS`: PDL, balanced tiles, L2 hints, tile order, direct loads, ...)
+(`VARIANTS`: output slots, stages, PDL, direct loads, tile sizes, ...)
 recorded as their own impls, and the copy through each pipeline.
 
   PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--parts]
@@ -174,7 +174,8 @@ F, FB = ("fwd",), ("fwd", "bwd")
 # Pipeline variants timed by --variants, recorded as their own impls:
 # name -> (BlockSizes, passes). Run 3 (H200, 2026-11-30) also timed, at
 # 2 output slots and 4 stages: PDL and balanced tiles within 0.5% each,
-# L2 evict_first stores +-1%, contiguous tiles +1%, direct loads 264 blocks
+# L2 evict_first stores +-1%, contiguous tiles +1% (both since removed from
+# BlockSizes), direct loads 264 blocks
 # -1% at D=512 and 132 blocks -1% at D=2048 (132 at D=512: +16%), 32 KiB
 # tiles and 2 blocks per SM within 0.3%; 4 output slots + 2 stages -3% at
 # D=512. Run 4 (this list): the 3% is the 2 stages (2, 3, 4 or 6 output
@@ -203,8 +204,6 @@ VARIANTS = {
 COPY_VARIANTS = {
   "ring, no PDL, no balance": B(pdl=False, balance=False),
   "ring (default)": B(),
-  "ring, L2 evict_first stores": B(store_hint="evict_first"),
-  "ring, contiguous tiles": B(order="contiguous"),
   "direct loads, 264 blocks": B(direct_loads=True, num_blocks=264),
 }
 

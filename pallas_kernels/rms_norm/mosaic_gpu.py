@@ -65,10 +65,11 @@ bandwidth, 2.6x / 3.0x XLA's fused VJP; the forward at 91.0% / 92.0% of copy,
 1.22x / 1.17x XLA at D=512 / D=2048. The forward writes as many bytes as it
 reads and here a written byte costs more than a read one: the same pipeline
 copying x -> y without compute reaches 91% of XLA's copy, the backward (3
-reads, 1 write) 99%. Variants that did not pay (BlockSizes fields, kept
-for measurement): L2 evict_first bulk stores, contiguous tile runs, 2
-blocks per SM, 32 KiB tiles; direct register loads are 1% faster at
-D=2048 only (where a 4-row tile is 16 KiB per input).
+reads, 1 write) 99%. Variants that did not pay: 2 blocks per SM and
+32 KiB tiles (`num_blocks`, `tile_bytes`), and two that were removed
+after measuring ~1% slower (.notes/rms_norm.md, run 4): L2 evict_first
+bulk stores and contiguous tile runs per block. Direct register loads are
+1% faster at D=2048 only (where a 4-row tile is 16 KiB per input).
 
 Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
@@ -144,11 +145,6 @@ class BlockSizes:
     global memory access), and lets the next one start early. `None` = on
     in the forward (H200: within 0.5%), off in the backward (D=512: 0.2749
     ms with, 0.2685 without, same run).
-  store_hint: `"evict_first"` = bulk stores carry an L2 evict-first cache
-    policy (written lines leave L2 first), `None` = default policy.
-  order: `"strided"` = block `b` takes tiles `b, b+g, ...` (all blocks
-    sweep one window of the arrays); `"contiguous"` = block `b` takes one
-    run of consecutive tiles.
   out_slots: SMEM buffers per output for bulk stores (a store may drain
     while `out_slots - 1` later tiles are computed); `None` = 4 in the
     forward, 2 in the backward and the forward with FP8 output. H200,
@@ -167,8 +163,6 @@ class BlockSizes:
   direct_loads: bool = False
   balance: bool = True
   pdl: bool | None = None
-  store_hint: str | None = None
-  order: str = "strided"
   out_slots: int | None = None
 
 
@@ -234,8 +228,6 @@ class _Config:
   quantize: bool = False  # forward: also e4m3 values + 1x128 block scales
   direct_loads: bool = False
   pdl: bool = False
-  store_hint: str | None = None
-  order: str = "strided"
   out_slots: int = 2
 
   @property
@@ -304,10 +296,6 @@ def make_config(
     # The scales are written to SMEM by a function (`store`'s callable
     # entries), which only the bulk-store path takes.
     bs = dataclasses.replace(bs, direct_stores=False, direct_loads=False)
-  if bs.order not in ("strided", "contiguous"):
-    raise ValueError(f"unknown tile order {bs.order!r}")
-  if bs.store_hint not in (None, "evict_first"):
-    raise ValueError(f"unknown store hint {bs.store_hint!r}")
   # The plain forward keeps more stores than loads in flight (measured).
   plain_fwd = not bwd and not quantize
   bs = dataclasses.replace(
@@ -395,8 +383,6 @@ def make_config(
     quantize=quantize,
     direct_loads=direct_loads,
     pdl=(not bwd if bs.pdl is None else bs.pdl) and not interpret,
-    store_hint=None if interpret else bs.store_hint,
-    order=bs.order,
     out_slots=bs.out_slots,
   )
 
@@ -416,15 +402,12 @@ def _bcast_cols(v_d, cfg: _Config):
 
 
 def _tiles(cfg: _Config):
-  """This block's tiles `(first, steps, stride)`: tile = first + i·stride."""
+  """This block's tiles `(first, steps, stride)`: tile = first + i·stride
+  (block `b` takes tiles `b, b + g, ...`, so all blocks sweep one window
+  of the arrays together)."""
   blk = lax.axis_index("blocks")
   n, g = cfg.num_tiles, cfg.num_blocks
-  if cfg.order == "strided":
-    return blk, (n - blk + g - 1) // g, g
-  # Contiguous runs: the first `n mod g` blocks take one tile more.
-  q, r = divmod(n, g)
-  first = blk * q + jnp.minimum(blk, r)
-  return first, q + (blk < r).astype(jnp.int32), 1
+  return blk, (n - blk + g - 1) // g, g
 
 
 def _prologue(cfg: _Config):
@@ -434,65 +417,6 @@ def _prologue(cfg: _Config):
   if cfg.pdl:
     plgpu.griddepcontrol_wait()
     plgpu.griddepcontrol_launch_dependents()
-
-
-# L2 cache policies of `.L2::cache_hint` (CUTLASS's CacheHintSm90 values).
-_L2_POLICY = {"evict_first": 0x12F0000000000000}
-
-
-def _bulk_store(cfg: _Config, src_smem, dst_gmem, *, commit: bool):
-  """`plgpu.copy_smem_to_gmem` of a contiguous tile, with `cfg.store_hint`'s
-  L2 cache policy when set (`cp.async.bulk ... .L2::cache_hint`, which
-  Pallas does not expose). Clamped to the end of the array like Mosaic's
-  own bulk copy, so a ragged last tile writes only valid rows."""
-  if cfg.store_hint is None:
-    plgpu.copy_smem_to_gmem(src_smem, dst_gmem, commit_group=commit)
-    return
-  from jax._src.lib.mlir import ir  # noqa: PLC0415 - only for this path
-  from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
-
-  policy = _L2_POLICY[cfg.store_hint]
-  total_elems = cfg.t * cfg.d
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-  def _(ctx, src, dst):
-    del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    i64 = ir.IntegerType.get_signless(64)
-    index = ir.IndexType.get()
-    src_ty = ir.MemRefType(src.type)
-    bits = mgpu_utils.bitwidth(src_ty.element_type)
-    n = 1
-    for dim in src_ty.shape:
-      n *= dim
-    # Elements left in the destination array past this slice's start.
-    offset = memref.extract_strided_metadata(dst)[1]
-    total = arith.constant(index, total_elems)
-    left = arith.subi(total, arith.minui(offset, total))
-    nbytes = arith.minui(arith.constant(index, n), left)
-    nbytes = arith.index_cast(
-      i32, arith.muli(nbytes, arith.constant(index, bits // 8))
-    )
-    pred = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
-    llvm.inline_asm(
-      ir.Type.parse("!llvm.void"),
-      [
-        pred,
-        mgpu_utils.memref_ptr(dst),
-        mgpu_utils.memref_ptr(src),
-        nbytes,
-        arith.constant(i64, policy),
-      ],
-      "@$0 cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint"
-      " [$1], [$2], $3, $4;",
-      "b,l,l,r,l",
-      has_side_effects=True,
-    )
-    if commit:
-      nvvm.cp_async_bulk_commit_group()
-
-  _(src_smem, dst_gmem)
 
 
 def _pipeline(
@@ -552,11 +476,8 @@ def _pipeline(
     for i, (buf, dst, k) in enumerate(
       zip(bufs, out_gmem, out_tile_rows, strict=True)
     ):
-      # Only `[t, d]` outputs are clamped by rows; per-tile outputs (the
-      # FP8 scales) are whole tiles.
-      sub = dataclasses.replace(cfg, store_hint=None) if k else cfg
-      _bulk_store(
-        sub, buf, dst.at[rows(step, k)], commit=i == len(out_smem) - 1
+      plgpu.copy_smem_to_gmem(
+        buf, dst.at[rows(step, k)], commit_group=i == len(out_smem) - 1
       )
 
   def store_direct(step, values):
@@ -790,9 +711,9 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
       f"rms_norm{kernel.__name__}_d{cfg.d}_m{cfg.block_rows}"
       f"_w{cfg.warps_per_row}_s{cfg.stages}_r{cfg.has_residual:d}"
       f"_g{cfg.gamma_dtype is not None:d}_q{cfg.quantize:d}"
-      f"_b{cfg.num_blocks}_{cfg.order[0]}{cfg.out_slots}"
+      f"_b{cfg.num_blocks}_o{cfg.out_slots}"
       f"{'_dl' if cfg.direct_loads else '_ds' if cfg.direct_stores else ''}"
-      f"{'_pdl' if cfg.pdl else ''}{'_ef' if cfg.store_hint else ''}"
+      f"{'_pdl' if cfg.pdl else ''}"
     ),
     interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
   )

@@ -134,8 +134,6 @@ def test_matches_reference(
     (16, 64, dict(block_rows=16, direct_loads=True)),  # one tile per block
     # Ragged: direct loads fall back to the ring.
     (37, 64, dict(block_rows=16, direct_loads=True)),
-    # Consecutive tiles per block (3 + 2 of 5), ragged last tile.
-    (70, 64, dict(block_rows=16, order="contiguous")),
     # Three output buffers: stores drain over two later tiles.
     (101, 64, dict(block_rows=16, out_slots=3)),
   ],
@@ -209,25 +207,13 @@ def test_default_pipeline_settings():
   assert (fwd.stages, fwd.out_slots, fwd.pdl) == (2, 4, True)
   assert (bwd.stages, bwd.out_slots, bwd.pdl) == (4, 2, False)
   assert (fp8_out.stages, fp8_out.out_slots) == (4, 2)
-  assert not (fwd.direct_loads or bwd.direct_loads or fwd.store_hint)
-  # Interpret mode drops what the interpreter lacks (PDL, inline PTX).
-  bs = mosaic_gpu.BlockSizes(pdl=True, store_hint="evict_first")
+  assert not (fwd.direct_loads or bwd.direct_loads)
+  # Interpret mode drops what the interpreter lacks (PDL).
+  bs = mosaic_gpu.BlockSizes(pdl=True)
   interp = mosaic_gpu.make_config(
     64, 64, jnp.float32, None, False, 1e-6, bs, True, bwd=False
   )
-  assert not interp.pdl and interp.store_hint is None
-  with pytest.raises(ValueError, match="hint"):
-    mosaic_gpu.make_config(
-      64,
-      64,
-      jnp.float32,
-      None,
-      False,
-      1e-6,
-      mosaic_gpu.BlockSizes(store_hint="evict_last"),
-      False,
-      bwd=False,
-    )
+  assert not interp.pdl
 
 
 def test_qk_norm_shape_under_grad():
@@ -343,9 +329,7 @@ def test_default_dispatch_on_cpu_is_xla():
     # Pipeline variants (benchmarks/rms_norm.py --variants).
     ((262_144, 512), True, True, dict(direct_loads=True)),
     ((65_536, 2048), True, True, dict(direct_loads=True, num_blocks=264)),
-    ((262_144 + 37, 512), True, True, dict(store_hint="evict_first")),
-    ((65_536 + 3, 2048), True, True, dict(store_hint="evict_first")),
-    ((262_144 + 37, 512), True, True, dict(order="contiguous", pdl=False)),
+    ((262_144 + 37, 512), True, True, dict(pdl=False)),
     ((65_536 + 3, 2048), True, True, dict(out_slots=4, stages=2)),
   ],
 )
