@@ -13,6 +13,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 ALIGN = 8  # packed tiles start on multiples of 8 rows (tiled TMA)
 
@@ -87,6 +88,29 @@ def release(barrier):
   """
   plgpu.commit_smem()
   plgpu.barrier_arrive(barrier)
+
+
+def produce_ring(total, stages: int, free, issue):
+  """A producer's loop over `total` (dynamic) loads through a ring of
+  `stages` slots: `issue(j, slot)` starts load `j` into `slot` once the
+  consumers released the slot's previous load (`free.at[slot]`); the first
+  `stages` loads need no wait. Ends by observing the last releases, so
+  every barrier phase is consumed before the kernel exits."""
+  for j in range(stages):
+
+    @pl.when(j < total)
+    def _(j=j):
+      issue(j, j)
+
+  @pl.loop(0, total - stages)
+  def _(j):
+    slot = lax.rem(j, stages)
+    plgpu.barrier_wait(free.at[slot])
+    issue(j + stages, slot)
+
+  @pl.loop(jnp.maximum(total - stages, 0), total)
+  def _(j):
+    plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
 def aligned(row):

@@ -831,21 +831,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
                 ref.at[rows, head], dst.at[slot], q_bar.at[slot]
               )
 
-        for j in range(mcs):
-
-          @pl.when(j < total)
-          def _(j=j):
-            issue(j, j)
-
-        @pl.loop(0, total - mcs)
-        def _(j):
-          slot = lax.rem(j, mcs)
-          plgpu.barrier_wait(free.at[slot])
-          issue(j + mcs, slot)
-
-        @pl.loop(jnp.maximum(total - mcs, 0), total)
-        def _(j):
-          plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
+        mosaic.produce_ring(total, mcs, free, issue)
 
   tile = mosaic.smem_tile
   scratch = [

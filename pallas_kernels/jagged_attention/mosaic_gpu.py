@@ -1236,21 +1236,7 @@ def backward_dkv(
             delta_ref.at[head, pad], delta_smem.at[slot], delta_bar.at[slot]
           )
 
-        for j in range(mcs):
-
-          @pl.when(j < total)
-          def _(j=j):
-            issue(j, j)
-
-        @pl.loop(0, total - mcs)
-        def _(j):
-          slot = lax.rem(j, mcs)
-          plgpu.barrier_wait(free.at[slot])
-          issue(j + mcs, slot)
-
-        @pl.loop(jnp.maximum(total - mcs, 0), total)
-        def _(j):
-          plgpu.barrier_wait(free.at[lax.rem(j, mcs)])
+        mosaic.produce_ring(total, mcs, free, issue)
 
   scratch = [
     mosaic.smem_tile((wgs, bkv, h), dtype),
