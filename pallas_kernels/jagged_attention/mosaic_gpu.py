@@ -334,36 +334,36 @@ def _load_query_item(items_ref, it):
   return [items_ref[it, f] for f in range(11)]
 
 
+def _load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
+  """TMA of key/value tile `i` of an item into `dst`: the first and last
+  tile of a sequence from its zero-filled side buffer, the others straight
+  from the packed buffer."""
+  kv_row, _, kv_total, seq = item
+  from_side = (i == 0) | (i == kv_total - 1)
+
+  @pl.when(from_side)
+  def _():
+    which = jnp.where(i == 0, 0, 1)
+    plgpu.copy_gmem_to_smem(side.at[seq, which, :, kv_head], dst, bar)
+
+  @pl.when(jnp.logical_not(from_side))
+  def _():
+    rows = pl.ds(mosaic.aligned(kv_row + i * bkv), bkv)
+    plgpu.copy_gmem_to_smem(ref.at[rows, kv_head], dst, bar)
+
+
 def _kv_producer(
   k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head
 ):
-  """Producer warpgroup: stream the item's key/value tiles through the ring.
-
-  The first and last tile of a sequence come from the zero-filled side
-  buffers, the others straight from the packed buffers.
-  """
-  kv_row, kv_steps, kv_total, seq = item
+  """Producer warpgroup: stream the item's key/value tiles through the ring
+  (`_load_kv_tile`)."""
+  kv_steps = item[1]
   k_smem, v_smem = smem
   k_bar, v_bar = bars
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    from_side = (i == 0) | (i == kv_total - 1)
-
-    @pl.when(from_side)
-    def _():
-      which = jnp.where(i == 0, 0, 1)
-      plgpu.copy_gmem_to_smem(
-        side.at[seq, which, :, kv_head], dst.at[slot], bar.at[slot]
-      )
-
-    @pl.when(jnp.logical_not(from_side))
-    def _():
-      plgpu.copy_gmem_to_smem(
-        ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
-        dst.at[slot],
-        bar.at[slot],
-      )
+    _load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
 
   for i in range(mcs):
 
@@ -409,28 +409,13 @@ def _kv_stream(
   across items, so the next item's first tiles load while the consumers
   finish the current one). Slot `g % mcs` of global step `g` is reused once
   its consumers release it (steps `g >= mcs`)."""
-  kv_row, kv_steps, kv_total, seq = item
+  kv_steps = item[1]
   k_smem, v_smem = smem
   k_bar, v_bar = bars
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    from_side = (i == 0) | (i == kv_total - 1)
-
-    @pl.when(from_side)
-    def _():
-      which = jnp.where(i == 0, 0, 1)
-      plgpu.copy_gmem_to_smem(
-        side.at[seq, which, :, kv_head], dst.at[slot], bar.at[slot]
-      )
-
-    @pl.when(jnp.logical_not(from_side))
-    def _():
-      plgpu.copy_gmem_to_smem(
-        ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
-        dst.at[slot],
-        bar.at[slot],
-      )
+    _load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
 
   @pl.loop(0, kv_steps)
   def _(i):
