@@ -239,19 +239,10 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       )
       for x, w, _ in sets
     ]
-    f = jax.jit(lambda xq, wq: fp8.fp8_dot_general(xq, wq, DN))
-    t = _time(f, qsets)
     label = "ours deepseek, x pre-quantized"
-    b.add(
-      case,
-      label,
-      "fwd ms",
-      t * 1e3,
-      baseline="xla bf16 (cuBLAS)",
-      baseline_value=t_bf16 * 1e3,
-      lower_is_better=True,
-    )
-    b.add(case, label, "fwd TFLOP/s", tflops(t))
+    t = base(label, lambda xq, wq: fp8.fp8_dot_general(xq, wq, DN), qsets)
+    if t is not None:
+      b.add(case, label, "fwd TFLOP/s", tflops(t))
 
   b.run(f"{case} prequantized fwd", prequantized_case)
 

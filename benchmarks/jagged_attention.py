@@ -21,7 +21,6 @@ other block sizes (`--tune`).
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -198,8 +197,8 @@ def run_case(h, mix, rng, args, records, extra):
     print(f"{case}: extra timings failed: {type(e).__name__}: {e}"[:2000])
 
 
-# Variants beside each head dim's default (`BlockSizes.default`) and what
-# to time for each: the fused backward at D=128 (the default keeps the dQ
+# Variants beside each head dim's default (`BlockSizes.default`), timed
+# forward + backward: the fused backward at D=128 (the default keeps the dQ
 # kernel there) with and without the dS exchange between the consumers;
 # at 64 the fused one without the exchange and the dQ kernel. Measured
 # before and in the notes: the non-persistent forward, plain dQ staging; at
@@ -207,35 +206,31 @@ def run_case(h, mix, rng, args, records, extra):
 # shared memory, over shared memory).
 TUNE = {
   128: [
-    (mg.BlockSizes(fused_bwd=True), ("fwdbwd",)),
-    (mg.BlockSizes(fused_bwd=True, dq_exchange=False), ("fwdbwd",)),
+    mg.BlockSizes(fused_bwd=True),
+    mg.BlockSizes(fused_bwd=True, dq_exchange=False),
   ],
   64: [
-    (mg.BlockSizes(block_kv_dq=128, dq_exchange=False), ("fwdbwd",)),
-    (mg.BlockSizes(block_kv_dq=128, fused_bwd=False), ("fwdbwd",)),
+    mg.BlockSizes(block_kv_dq=128, dq_exchange=False),
+    mg.BlockSizes(block_kv_dq=128, fused_bwd=False),
   ],
 }
 
 
 def tune(h, case, q_off, kv_off, sets, extra):
   """The op under other block sizes (see `TUNE`)."""
-  for bs, kinds in TUNE[h]:
+  kind = "fwdbwd"
+  for bs in TUNE[h]:
 
     def ours(q, k, v, bs=bs):
       return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
 
-    fns = {
-      "fwd": lambda q, k, v, do, f=ours: f(q, k, v),
-      "fwdbwd": common.loss_grad(ours),
-    }
-    for kind in kinds:
-      try:
-        sec = common.time_sets(fns[kind], sets)
-      except Exception as e:  # e.g. shared memory overflow
-        print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
-        continue
-      print(f"{case:16s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
-      extra.append({"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3})
+    try:
+      sec = common.time_sets(common.loss_grad(ours), sets)
+    except Exception as e:  # e.g. shared memory overflow
+      print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
+      continue
+    print(f"{case:16s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
+    extra.append({"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3})
 
 
 def breakdown(h, case, q_off, kv_off, sets, times, extra):
@@ -246,9 +241,6 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
   bs = mg.BlockSizes.default(h)
   static = mg._Static(
     causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
-  )
-  static_fused = dataclasses.replace(
-    static, block_sizes=dataclasses.replace(bs, fused_bwd=True)
   )
   t = sets[0][0].shape[0]
   s = sets[0][1].shape[0]
@@ -311,27 +303,13 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     )
 
   def t_delta(x, p):
-    return mg.backward_delta(p["o"], x[3], p["items"], static_fused)
+    return mg.backward_delta(p["o"], x[3], p["items"], static)
 
   def t_fused(x, p):
     q, k, v, do = x
-    shape = (t + bs.block_q, N, h)
-    if INTERPRET is not None:  # no TMA reduction: one slice per item
-      shape = (p["items_kv"].shape[0], 2, *shape)
-    dq = jax.new_ref(jnp.zeros(shape, jnp.float32))
-    dk, dv = mg.backward_dkv(
-      q,
-      k,
-      v,
-      do,
-      p["lse"],
-      p["delta"],
-      p["items_kv"],
-      static_fused,
-      k_side=p["side"][0],
-      dq=dq,
+    return mg.backward_dkv_dq(
+      q, k, v, do, p["lse"], p["delta"], p["items_kv"], static, p["side"][0]
     )
-    return dk, dv, dq[...]
 
   def t_sched(x, p):
     q, k, v, _ = x

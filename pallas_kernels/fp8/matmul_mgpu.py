@@ -29,8 +29,8 @@ took the kernel from 876 to 1061 TFLOP/s (the multiply per element was what
 kept the tensor cores waiting).
 
 Bandwidth: an fp8 GEMM with 128 x 128 CTA tiles reads 1/128 B of operands
-from L2 per FLOP, about 6.9 TB/s at 870 TFLOP/s, where the H200's L2 tops
-out (cuBLAS's fp8 GEMM, 128 x 256 tiles, sits at the same L2 rate). Two
+from L2 per FLOP, about 6.8 TB/s at 873 TFLOP/s, near what we take the
+H200's L2 rate to be (an inference, not measured here). Two
 CTAs in a cluster (`cluster_dimension`) share one operand tile by TMA
 multicast, as a 128 x 256 tile would: 3/512 B per FLOP.
 
@@ -67,8 +67,9 @@ class Dim(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles per compute warpgroup and the schedule; defaults from the H200
-  tile sweep (.notes/fp8.md).
+  """Tiles per compute warpgroup and the schedule. The sweep's winners per
+  scale block are `DEFAULT_BLOCK_SIZES` below; these field defaults are the
+  plain 128 x 128 CTA tile.
 
   The accumulator and the per-block products live in registers
   (`(1 + in_flight) * tile_m * tile_n / 128` floats per thread), which caps

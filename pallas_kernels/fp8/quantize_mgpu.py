@@ -19,8 +19,8 @@ parts) through a TMA pipeline of `stages` tiles:
    `cvt.rn.satfinite.e4m3x2.f32` (two elements per instruction), which is
    round-to-nearest-even onto the e4m3 grid, subnormals included; since
    `|x / s| <= 448` saturation never acts, so it equals the reference's
-   integer emulation (`format.round_e4m3`) bit for bit (~12 integer ops per
-   element fewer). Stochastic rounding has no Hopper instruction: the
+   integer emulation (`format.round_e4m3`) bit for bit, without its integer
+   work. Stochastic rounding has no Hopper instruction: the
    reference's integer arithmetic with counter-based random bits from
    `hash32(row * c + col ^ seed)`. Kernel and reference agree bit for bit up
    to the order of the Hadamard sums.

@@ -44,8 +44,8 @@ CTAs (one per query tile) mostly wait on their own loads. So:
 
 4. Narrow key tiles for short keys. The activation runs on every score
    of a `64 x block_kv` tile, zero-filled keys included; with 16 keys a
-   64-row key tile would quadruple that ALU work, which is what bounds the
-   forward. `block_kv` (16, 32 or 64) follows the caller's `max_len_kv`.
+   64-row key tile would quadruple that ALU work (and its loads of zero
+   rows). `block_kv` (16, 32 or 64) follows the caller's `max_len_kv`.
 5. Split-K for few query tiles over long keys (pooled attention: one query
    tile per 2K history cannot keep 132 SMs busy). With no softmax, the
    output is a plain sum over key tiles, so each query tile's keys are cut
@@ -125,7 +125,7 @@ _ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes and pipeline depths (H200; measurements in .notes/gdpa.md).
+  """Tile sizes and pipeline depths (H200; measured by benchmarks/gdpa.py).
 
   `None` means chosen per call: `block_kv` from the caller's `max_len_kv`
   (`kv_block`), `q_stages` the deepest Q ring that fits (`query_layout`),
@@ -145,8 +145,10 @@ class BlockSizes:
     if self.block_q != 64:
       raise ValueError(f"block_q={self.block_q} must be 64 (one warpgroup)")
     kv = self.block_kv
-    if kv is not None and (kv % 16 or not 16 <= kv <= 256):
-      raise ValueError(f"block_kv={kv}: a multiple of 16 in [16, 256]")
+    if kv is not None and not (kv in (16, 32) or kv in (64, 128, 192, 256)):
+      # Narrower V tiles take the 32/64-byte swizzle (`v_tile`); others
+      # need whole 64-row swizzle groups.
+      raise ValueError(f"block_kv={kv}: 16, 32, 64, 128, 192 or 256")
     for f in ("kv_stages", "deal_chunk", "num_sms", "q_stages", "kv_split"):
       if getattr(self, f) is not None and getattr(self, f) < 1:
         raise ValueError(f"{f} must be >= 1")
@@ -306,7 +308,6 @@ MAX_KV_SPLIT = 4  # key parts chosen when `kv_split` is None
   W_REUSE,  # 1: keys resident from the worker's previous item
   W_RELEASE,  # 1: the worker's next item does not reuse them
 ) = range(12)
-W_COLS = 12
 
 
 def v_tile(shape, dtype, block_kv):
@@ -352,7 +353,8 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
 
 
 def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
-  """Per-worker work: `int32[w, j, W_COLS]` and real items per worker.
+  """Per-worker work: `int32[w, j, 12]` (columns `W_*`), real items per
+  worker.
 
   `items` (`jagged_attention.mosaic_gpu.query_items`, sorted) become
   `parts` items each (key tiles `[p * steps // parts, (p + 1) * steps //
@@ -585,26 +587,13 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       def issue_kv(i, s, kv_row, total, seq):
         """Key tile i of the sequence into ring slot s (side tiles at
         the ends)."""
-        from_side = (i == 0) | (i == total - 1)
+        item = (kv_row, None, total, seq)
         for ref, side, dst in (
           (k_ref, ks_ref, k_smem),
           (v_ref, vs_ref, v_smem),
         ):
-
-          @pl.when(from_side)
-          def _(side=side, dst=dst):
-            which = jnp.where(i == 0, 0, 1)
-            plgpu.copy_gmem_to_smem(
-              side.at[seq, which, :, kv_head], dst.at[s], kv_bar.at[s]
-            )
-
-          @pl.when(jnp.logical_not(from_side))
-          def _(ref=ref, dst=dst):
-            plgpu.copy_gmem_to_smem(
-              ref.at[pl.ds(mosaic.aligned(kv_row + i * bkv), bkv), kv_head],
-              dst.at[s],
-              kv_bar.at[s],
-            )
+          jmg.load_kv_tile(ref, side, dst.at[s], kv_bar.at[s], i, item, bkv,
+                           kv_head)  # fmt: skip
 
       cols = (W_QROW, W_KVROW, W_STEPS, W_TOTAL, W_SEQ, W_FIRST, W_REUSE)
 

@@ -334,10 +334,27 @@ def _load_query_item(items_ref, it):
   return [items_ref[it, f] for f in range(11)]
 
 
-def _load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
-  """TMA of key/value tile `i` of an item into `dst`: the first and last
-  tile of a sequence from its zero-filled side buffer, the others straight
-  from the packed buffer."""
+def _key_loop(step, carry, kv_steps, causal, first_row, bkv):
+  """`step(i, carry, masked=...)` over a query tile's key tiles
+  `[0, kv_steps)`. Causal: key tiles wholly at key-grid positions `<=
+  first_row` (the tile's first valid query row) need no mask, the rest
+  (the diagonal) do; otherwise none is masked."""
+  if not causal:
+    return lax.fori_loop(
+      0, kv_steps, functools.partial(step, masked=False), carry
+    )
+  n_full = jnp.clip(lax.div(first_row + 1, bkv), 0, kv_steps)
+  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(
+    n_full, kv_steps, functools.partial(step, masked=True), carry
+  )
+
+
+def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
+  """TMA of key/value tile `i` of an item (`(first packed row, _, tiles of
+  the sequence's grid, sequence)`) into `dst`: the first and last tile of
+  a sequence from its zero-filled side buffer, the others straight from
+  the packed buffer (also GDPA's producer)."""
   kv_row, _, kv_total, seq = item
   from_side = (i == 0) | (i == kv_total - 1)
 
@@ -356,14 +373,14 @@ def _kv_producer(
   k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head
 ):
   """Producer warpgroup: stream the item's key/value tiles through the ring
-  (`_load_kv_tile`)."""
+  (`load_kv_tile`)."""
   kv_steps = item[1]
   k_smem, v_smem = smem
   k_bar, v_bar = bars
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    _load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
+    load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
 
   for i in range(mcs):
 
@@ -415,7 +432,7 @@ def _kv_stream(
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    _load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
+    load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
 
   @pl.loop(0, kv_steps)
   def _(i):
@@ -599,24 +616,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             mosaic.release(v_free.at[slot])
             return acc, m_ij, l_i
 
-          carry = (acc, m_i, l_i)
-          if causal:
-            # Key tiles wholly at positions <= the first valid row need no
-            # mask; the rest (the diagonal) do.
-            n_full = jnp.clip(
-              lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps
-            )
-            carry = lax.fori_loop(
-              0, n_full, functools.partial(step, masked=False), carry
-            )
-            carry = lax.fori_loop(
-              n_full, kv_steps, functools.partial(step, masked=True), carry
-            )
-          else:
-            carry = lax.fori_loop(
-              0, kv_steps, functools.partial(step, masked=False), carry
-            )
-          acc, m_i, l_i = carry
+          acc, m_i, l_i = _key_loop(
+            step, (acc, m_i, l_i), kv_steps, causal, q_pos + lo + kv_lead, bkv
+          )
           pl.when(wg == 0)(sched)
 
           # Zero-filled keys the rows saw (module docstring): positions
@@ -883,18 +885,7 @@ def backward_dq(
           mosaic.release(k_free.at[slot])
           return dq
 
-        if causal:
-          n_full = jnp.clip(lax.div(q_pos + lo + kv_lead + 1, bkv), 0, kv_steps)
-          dq = lax.fori_loop(
-            0, n_full, functools.partial(step, masked=False), dq
-          )
-          dq = lax.fori_loop(
-            n_full, kv_steps, functools.partial(step, masked=True), dq
-          )
-        else:
-          dq = lax.fori_loop(
-            0, kv_steps, functools.partial(step, masked=False), dq
-          )
+        dq = _key_loop(step, dq, kv_steps, causal, q_pos + lo + kv_lead, bkv)
         # dQ leaves through a plain (unswizzled) buffer that the ladder store
         # can slice at any row.
         out_smem[...] = (dq * static.scale).astype(dtype)
@@ -959,6 +950,30 @@ def backward_dq(
 # Backward: dK, dV (per key tile, streaming query tiles of every head).
 
 
+DKV_WARPGROUPS = 2  # consumers of the dK/dV kernel, block_kv_dkv keys each
+
+
+def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
+                    k_side):  # fmt: skip
+  """The fused backward (`backward_dkv` with `dq`): (f32 dQ, unscaled,
+  `[t + block_q, n, h]`; dK; dV). Allocates the f32 dQ buffer: one spare
+  tile of rows, since a query tile's window may run past `t`; in interpret
+  mode one slice per item and consumer warpgroup, summed here (the GPU
+  interpreter has no TMA reduce-add)."""
+  t, n, h = q_tnh.shape
+  shape = (t + static.block_sizes.block_q, n, h)
+  if static.interpret is not None:
+    shape = (items.shape[0], DKV_WARPGROUPS, *shape)
+  dq = jax.new_ref(jnp.zeros(shape, jnp.float32))
+  dk, dv = backward_dkv(
+    q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static, k_side, dq
+  )
+  dq = dq[...]
+  if static.interpret is not None:
+    dq = dq.sum(axis=(0, 1))
+  return dq, dk, dv
+
+
 def backward_dkv(
   q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static, k_side=None, dq=None
 ):
@@ -995,7 +1010,7 @@ def backward_dkv(
   group = n // kh
   bs = static.block_sizes
   bq, bkv, mcs = bs.block_q, bs.block_kv_dkv, bs.max_concurrent_steps
-  wgs = 2  # consumer warpgroups, bkv key rows each
+  wgs = DKV_WARPGROUPS
   num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
@@ -1071,7 +1086,7 @@ def backward_dkv(
         def step(j, carry, masked: bool):
           dk, dv = carry
           slot = lax.rem(j, mcs)
-          _, tile = coords(j)
+          head, tile = coords(j)
           plgpu.barrier_wait(q_bar.at[slot])
           st = mosaic.matmul(
             k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq)
@@ -1101,7 +1116,6 @@ def backward_dkv(
           dk = mosaic.accumulate(dk, ds16, q_smem.at[slot], static.interpret)
           mosaic.release(free.at[slot])
           if fused:
-            head, _ = coords(j)
             add_dq(j, head, tile, ds16)
           return dk, dv
 

@@ -38,8 +38,9 @@ def _fwd(static, q, k, v, q_off, kv_off):
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
-  # The dQ kernel's too (same block_kv), or the fused backward's.
-  fwd_tables = (items, k_side, v_side)
+  # The dQ kernel's too (same block_kv), or the fused backward's (which
+  # reads no V side tiles: none kept alive for it).
+  fwd_tables = (items, k_side, None if bs.fused_bwd else v_side)
   if not bs.fused_bwd and bs.block_kv_dq != bs.block_kv:
     fwd_tables = None
   res = (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b, fwd_tables)
@@ -62,22 +63,25 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   t, s = q.shape[0], k.shape[0]
+  items_kv = mg.key_items(
+    q_off,
+    kv_off,
+    s,
+    tile_start_b,
+    block_q=bs.block_q,
+    block_kv=2 * bs.block_kv_dkv,
+    causal=static.causal,
+  )
   if bs.fused_bwd:
-    return _bwd_fused(
-      static,
-      q,
-      k,
-      v,
-      do,
-      o,
-      lse,
-      q_off,
-      kv_off,
-      tile_start_b,
-      fwd_tables,
-      t_in,
-      s_in,
+    # The delta kernel, then dQ, dK, dV in one kernel; dQ accumulated in f32
+    # by TMA reduce-add, then scaled and cast.
+    items, k_side, _ = fwd_tables
+    delta = mg.backward_delta(o, do, items, static)
+    dq, dk, dv = mg.backward_dkv_dq(
+      q, k, v, do, lse, delta, items_kv, static, k_side
     )
+    dq = (dq * static.scale).astype(q.dtype)
+    return dq[:t_in], dk[:s_in], dv[:s_in], None, None
   if fwd_tables is None:  # a dQ key block other than the forward's
     items_q, _ = mg.query_items(
       q_off,
@@ -94,65 +98,8 @@ def _bwd(static, res, do):
   dq, delta = mg.backward_dq(
     q, k, v, k_side, v_side, o, do, lse, items_q, static
   )
-  items_kv = mg.key_items(
-    q_off,
-    kv_off,
-    s,
-    tile_start_b,
-    block_q=bs.block_q,
-    block_kv=2 * bs.block_kv_dkv,
-    causal=static.causal,
-  )
   dk, dv = mg.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
   return dq[:t_in], dk[:s_in], dv[:s_in], None, None
-
-
-def _bwd_fused(
-  static,
-  q,
-  k,
-  v,
-  do,
-  o,
-  lse,
-  q_off,
-  kv_off,
-  tile_start_b,
-  fwd_tables,
-  t_in,
-  s_in,
-):
-  """dQ, dK, dV in one kernel (`mg.backward_dkv` with `dq`) after the
-  delta kernel; dQ accumulated in f32 by TMA reduce-add, then scaled and
-  cast."""
-  bs = static.block_sizes
-  items, k_side, _ = fwd_tables
-  t, n, h = q.shape
-  delta = mg.backward_delta(o, do, items, static)
-  items_kv = mg.key_items(
-    q_off,
-    kv_off,
-    k.shape[0],
-    tile_start_b,
-    block_q=bs.block_q,
-    block_kv=2 * bs.block_kv_dkv,
-    causal=static.causal,
-  )
-  # One spare tile of rows: a query tile's window may run past `t`. The
-  # interpreter has no TMA reduce-add: one slice per item and consumer
-  # warpgroup there, summed.
-  shape = (t + bs.block_q, n, h)
-  if static.interpret is not None:
-    shape = (items_kv.shape[0], 2, *shape)
-  dq_ref = jax.new_ref(jnp.zeros(shape, jnp.float32))
-  dk, dv = mg.backward_dkv(
-    q, k, v, do, lse, delta, items_kv, static, k_side=k_side, dq=dq_ref
-  )
-  dq = dq_ref[...]
-  if static.interpret is not None:
-    dq = dq.sum(axis=(0, 1))
-  dq = (dq[:t_in] * static.scale).astype(q.dtype)
-  return dq, dk[:s_in], dv[:s_in], None, None
 
 
 _attention.defvjp(_fwd, _bwd)

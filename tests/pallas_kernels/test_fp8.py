@@ -533,9 +533,15 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
   [
     (32, (32, 32), (32, 32), _B()),
     (128, (1, 128), (128, 128), _B()),
-    # op.py's default: 64 x 256 CTA tiles in 2-CTA clusters along M
-    # (multicast weights), weight scale folded into the row scales.
-    (128, (1, 128), (128, 128), matmul_mgpu.default_block_sizes(128)),
+    # op.py's default for this test's f32 output: 64 x 256 CTA tiles in
+    # 2-CTA clusters along M (multicast weights), weight scale folded into
+    # the row scales, 3 stages.
+    (
+      128,
+      (1, 128),
+      (128, 128),
+      matmul_mgpu.default_block_sizes(128, jnp.float32),
+    ),
     # Two block products in flight per warpgroup.
     (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2)),
     (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N)),

@@ -203,8 +203,9 @@ def test_work_table_covers_every_key_tile_once():
   num, num_real, parts, workers = 23, 17, 3, 4
   items = np.zeros((num, 11), np.int32)
   items[:, 0] = np.arange(num) * 64  # query row: the item's identity
-  items[:num_real, 7] = rng.integers(0, 9, num_real)  # key tiles
   items[:, 9] = np.arange(num) // 3  # sequence
+  # Key tiles: one count per sequence, as query_items gives.
+  items[:num_real, 7] = rng.integers(0, 9, num)[items[:num_real, 9]]
   wt, counts = mg.work_table(
     jnp.asarray(items), num_real, parts, workers, chunk=2, mcs=2
   )
@@ -224,11 +225,19 @@ def test_work_table_covers_every_key_tile_once():
   for w in range(workers):
     row = wt[w, : counts[w]]
     for j in range(1, len(row)):
-      if row[j, mg.W_REUSE]:
-        assert row[j, mg.W_SEQ] == row[j - 1, mg.W_SEQ]
-        assert row[j, mg.W_PART] == row[j - 1, mg.W_PART]
+      if row[j, mg.W_REUSE]:  # the very key tiles the ring still holds
+        for c in (mg.W_SEQ, mg.W_PART, mg.W_FIRST, mg.W_STEPS):
+          assert row[j, c] == row[j - 1, c]
         assert row[j, mg.W_STEPS] <= 2
       assert row[j - 1, mg.W_RELEASE] == 1 - row[j, mg.W_REUSE]
+    # A worker's last item hands its keys back (the producer's final wait).
+    assert len(row) == 0 or row[-1, mg.W_RELEASE] == 1
+
+
+@pytest.mark.parametrize("block_kv", [0, 48, 80, 320])
+def test_block_sizes_reject_key_tiles_that_cannot_lower(block_kv):
+  with pytest.raises(ValueError, match="block_kv"):
+    mg.BlockSizes(block_kv=block_kv)
 
 
 def test_deal_covers_every_item_once():
