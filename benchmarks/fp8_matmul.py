@@ -47,10 +47,17 @@ GOAL_FWD, GOAL_BWD, GOAL_QUANT = 1.3, 1.5, 0.7
 QUICK = False  # --quick: the default format (deepseek) only
 NO_BWD = False  # --no-bwd: forward and kernels only (short device runs)
 OUT_DIR = None
+T0 = time.perf_counter()
 
 
 def _time(fn, arg_sets) -> float:
   return common.device_time(fn, arg_sets, calls=10)
+
+
+def _time_mem(fn, arg_sets) -> float:
+  """Memory-bound kernels: 30 queued calls per batch, as the copy ceiling
+  they are compared with is timed (`common.copy_bandwidths`)."""
+  return common.device_time(fn, arg_sets, calls=30)
 
 
 def _rel(a, b) -> float:
@@ -80,6 +87,7 @@ class Bench:
     self.records.append(r)
     _save(self.records, OUT_DIR)
     print(
+      f"{time.perf_counter() - T0:6.1f}s"
       f"  {r['case']:<28} {r['impl']:<34} {r['metric']:<12}"
       f" {r['value']:10.4g}"
       + (f"  x{r['ratio']:.3f} vs {r['baseline']}" if r["ratio"] else ""),
@@ -360,7 +368,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       same_s = float(jnp.mean((se[:, :: block[0]].T == rs) * 1.0))
       b.add(case, label, "values equal", same_v)
       b.add(case, label, "scales equal", same_s)
-      t = _time(f, xs)
+      t = _time_mem(f, xs)
       nbytes = 3 * m * k + 4 * m * (k // block[1])
       b.add(
         case,
@@ -374,7 +382,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       fx = jax.jit(
         lambda x: ref.quantize_reference(x, block=block, hadamard=hb)
       )
-      tx = _time(fx, xs)
+      tx = _time_mem(fx, xs)
       b.add(
         case,
         label.replace("kernel", "xla"),
@@ -467,34 +475,62 @@ def sweep(b: Bench, only: str | None = None):
     b.run(label, one)
 
 
-def quant_sweep(b: Bench, copy_bw: float):
-  """Tile rows and pipeline depth of the quantize kernel at 16384 x 4096."""
+def _ring(w, c=1, s=2, o=2, r=64):
+  kw = dict(warpgroups=w, ctas_per_sm=c, stages=s, out_slots=o, tile_r=r)
+  return f"ring wg{w} cta{c} st{s} out{o} rows{r}", kw
+
+
+# (block, hadamard) -> [(name, quantize_mgpu keywords)] of the quantize sweep.
+QUANT_SWEEP = {
+  ((1, 128), None): [
+    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    _ring(1, c=4),
+    _ring(2, c=2),
+    _ring(4),
+    _ring(4, o=1),
+    _ring(4, o=3, s=1),
+    _ring(2, s=4),
+    _ring(1, c=2, r=128),
+  ],
+  ((1, 128), 128): [
+    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    _ring(1, c=2),
+    _ring(3),
+    _ring(4, o=1),
+    _ring(4, s=1),
+    _ring(2, s=3),
+  ],
+  ((32, 32), None): [
+    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    _ring(4),
+  ],
+}
+
+
+def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
+  """Tile rows, pipeline depth and the persistent ring form of the quantize
+  kernel at 16384 x 4096."""
   m, k = SHAPES[0][:2]
   case = f"quantize sweep {m}x{k}"
   xs = [(_inputs(m, k, 128, s)[0],) for s in (0, 1)]
-  for block, hb in [((1, 128), None), ((1, 128), 128), ((32, 32), None)]:
+  for (block, hb), configs in QUANT_SWEEP.items():
     rv, rs = ref.quantize_reference(xs[0][0], block=block, hadamard=hb)
     nbytes = 3 * m * k + 4 * m * (k // block[1])
-    for tile_r, stages in [(64, 2), (64, 3), (64, 4), (128, 2), (128, 3)]:
+    for name, kw in configs:
       label = (
         f"kernel quantize {block[0]}x{block[1]}"
         + (f" H{hb}" if hb else "")
-        + f" rows{tile_r} st{stages}"
+        + f" {name}"
       )
+      if only and not any(p in label for p in only.split(",")):
+        continue
 
       def one(
-        block=block,
-        hb=hb,
-        tile_r=tile_r,
-        stages=stages,
-        label=label,
-        rv=rv,
-        rs=rs,
-        nbytes=nbytes,
+        block=block, hb=hb, kw=kw, label=label, rv=rv, rs=rs, nbytes=nbytes
       ):
         f = jax.jit(
           lambda x: quantize_mgpu.quantize_mgpu(
-            x, block=block, hadamard=hb, tile_r=tile_r, stages=stages
+            x, block=block, hadamard=hb, **kw
           )
         )
         v, se = f(xs[0][0])
@@ -504,7 +540,9 @@ def quant_sweep(b: Bench, copy_bw: float):
         same_s = float(jnp.mean((se[:, :: block[0]].T == rs) * 1.0))
         b.add(case, label, "values equal", same_v)
         b.add(case, label, "scales equal", same_s)
-        t = _time(f, xs)
+        t = _time_mem(f, xs)
+        if kw is configs[0][1]:  # the old timing (10 queued calls) beside
+          b.add(case, label, "TB/s 10 calls", nbytes / _time(f, xs) / 1e12)
         b.add(
           case,
           label,
@@ -549,6 +587,11 @@ def main(argv=None):
     action="store_true",
     help="only the matmul tile sweep and the quantize kernel sweep",
   )
+  p.add_argument(
+    "--quant-sweep",
+    action="store_true",
+    help="only the quantize kernel sweep (--sweep-filter applies)",
+  )
   args = p.parse_args(argv)
   global QUICK, NO_BWD, OUT_DIR
   QUICK, NO_BWD, OUT_DIR = args.quick, args.no_bwd, args.out
@@ -563,10 +606,11 @@ def main(argv=None):
   if args.tiny:
     shapes = [(256, 256, 256)]
   t0 = time.perf_counter()
-  if args.sweep_only:
+  if args.sweep_only or args.quant_sweep:
     shapes = []
-    quant_sweep(b, copy_bw)
-    sweep(b, args.sweep_filter)
+    quant_sweep(b, copy_bw, args.sweep_filter)
+    if not args.quant_sweep:
+      sweep(b, args.sweep_filter)
   for m, k, n in shapes:
     if time.perf_counter() - t0 > args.max_seconds:
       print(f"time limit: skipping {m}x{k}x{n}", flush=True)
@@ -576,6 +620,7 @@ def main(argv=None):
   if (
     not args.no_sweep
     and not args.sweep_only
+    and not args.quant_sweep
     and time.perf_counter() - t0 < args.max_seconds
   ):
     sweep(b, args.sweep_filter)

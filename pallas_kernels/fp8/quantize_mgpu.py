@@ -204,6 +204,137 @@ def _kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
+def _ring_kernel(
+  x_gmem,
+  h_gmem,
+  seed_gmem,
+  q_gmem,
+  se_gmem,
+  *scratch,
+  block,
+  hb,
+  sr,
+  n_cols,
+  col_tiles,
+  n_tiles,
+  tile_r,
+  stages,
+  slots,
+  wgs,
+  num_workers,
+):
+  """Persistent form: `wgs` warpgroups per CTA, each a worker with its own
+  ring of `stages` input tiles and `slots` output tiles; the Hadamard matrix
+  is loaded once per CTA and shared by its warpgroups. Worker `p` of `P`
+  takes tiles `p, p + P, ...` in row-major tile order (neighbouring workers
+  read neighbouring 256-byte pieces of the same rows)."""
+  if hb is None:
+    h_smem = None
+    seed_smem, x_smem, rm_smem, qo_smem, so_smem, bar, in_bar = scratch
+  else:
+    h_smem, seed_smem, x_smem, rm_smem, qo_smem, so_smem, bar, in_bar = scratch
+  cb = TILE_C // block[1]
+  parts = tile_r // TILE_R
+  wg = lax.axis_index("wg") if wgs > 1 else 0
+  worker = lax.axis_index("p") * wgs + wg
+  num_steps = (n_tiles - worker + num_workers - 1) // num_workers
+  if hb is not None:
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(h_gmem, h_smem, bar.at[0])
+
+    plgpu.barrier_wait(bar.at[0])
+  if sr:
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(seed_gmem, seed_smem, bar.at[1])
+
+    plgpu.barrier_wait(bar.at[1])
+  seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
+
+  def coords(step):
+    t = worker + step * num_workers
+    return t // col_tiles, lax.rem(t, col_tiles)
+
+  def fetch(step, slot):
+    rt, ct = coords(step)
+    plgpu.copy_gmem_to_smem(
+      x_gmem.at[pl.ds(rt * tile_r, tile_r), pl.ds(ct * TILE_C, TILE_C)],
+      x_smem.at[wg, slot],
+      in_bar.at[wg * stages + slot],
+    )
+
+  for i in range(stages):
+
+    @pl.when(i < num_steps)
+    def _(i=i):
+      fetch(i, i)
+
+  def step_fn(step, carry):
+    slot = lax.rem(step, stages)
+    out = lax.rem(step, slots)
+    rt, ct = coords(step)
+    plgpu.barrier_wait(in_bar.at[wg * stages + slot])
+    xin = x_smem.at[wg, slot]
+    xhs = []
+    for part in range(parts):
+      prow = pl.ds(part * TILE_R, TILE_R)
+      if hb is None:
+        xh = plgpu.load(xin.at[prow], layout=plgpu.Layout.WGMMA)
+        xhs.append(xh)
+      else:
+
+        def mm(acc_ref, prow=prow):
+          plgpu.wgmma(acc_ref, xin.at[prow], h_smem)
+          return acc_ref[...]
+
+        xhs.append(pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32)))
+    # The slot is read (registers or a finished wgmma): once every thread
+    # is past its reads, refill it with the tile `stages` steps ahead.
+    plgpu.commit_smem()
+
+    @pl.when(step + stages < num_steps)
+    def _():
+      fetch(step + stages, slot)
+
+    # The stores issued `slots` steps ago from this output slot must have
+    # read it (one bulk group per step).
+    plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    for part, xh in enumerate(xhs):
+      prow = pl.ds(part * TILE_R, TILE_R)
+      xh = xh.astype(jnp.float32)
+      if hb is not None:
+        xh = xh * fmt.hadamard_norm(hb)
+      _tile_body(
+        xh,
+        seed,
+        rm_smem.at[wg, part],
+        qo_smem.at[wg, out, prow],
+        so_smem.at[wg, out, :, prow],
+        block=block,
+        row0=rt * tile_r + part * TILE_R,
+        col0=ct * TILE_C,
+        n_cols=n_cols,
+        sr=sr,
+      )
+    plgpu.commit_smem()
+    tile_rows = pl.ds(rt * tile_r, tile_r)
+    plgpu.copy_smem_to_gmem(
+      qo_smem.at[wg, out],
+      q_gmem.at[tile_rows, pl.ds(ct * TILE_C, TILE_C)],
+      commit_group=False,
+    )
+    plgpu.copy_smem_to_gmem(
+      so_smem.at[wg, out], se_gmem.at[pl.ds(ct * cb, cb), tile_rows]
+    )
+    return carry
+
+  lax.fori_loop(0, num_steps, step_fn, ())
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _hadamard_tile(hb: int, seed: int):
   """`blockdiag(D H)` over one 128-column tile, bf16 (+-1 and 0: exact)."""
   import numpy as np
@@ -227,6 +358,9 @@ def _hadamard_tile(hb: int, seed: int):
     "n_cols",
     "tile_r",
     "stages",
+    "warpgroups",
+    "ctas_per_sm",
+    "out_slots",
   ),
 )
 def quantize_mgpu(
@@ -242,6 +376,9 @@ def quantize_mgpu(
   n_cols=None,
   tile_r=DEFAULT_TILE_R,
   stages=DEFAULT_STAGES,
+  warpgroups=None,
+  ctas_per_sm=1,
+  out_slots=2,
 ):
   """`(v_rc, se_Cr)` for bf16 `x_rc` with `r % 64 == 0`, `c % 128 == 0`.
 
@@ -266,6 +403,23 @@ def quantize_mgpu(
     (TILE_R,), 0 if seed_hash is None else seed_hash, dtype=jnp.int32
   )
   row_tiles, col_tiles = r // tile_r, c // TILE_C
+  interp = plgpu.InterpretGPUParams() if interpret else None
+  if warpgroups is not None:
+    return _ring_call(
+      x_rc,
+      h,
+      seed,
+      block=block,
+      hb=hadamard,
+      sr=sr,
+      n_cols=n_cols or c,
+      tile_r=tile_r,
+      stages=stages,
+      slots=out_slots,
+      wgs=warpgroups,
+      ctas=num_sms * ctas_per_sm,
+      interpret=interp,
+    )
   # Enough programs to fill the chip several times over; each walks `steps`
   # row tiles of one column tile through a TMA pipeline.
   steps = _steps_per_program(row_tiles, col_tiles, num_sms)
@@ -298,7 +452,87 @@ def quantize_mgpu(
     grid=(col_tiles, row_tiles // steps),
     grid_names=("c", "r"),
     scratch_types=scratch,
-    interpret=plgpu.InterpretGPUParams() if interpret else None,
+    interpret=interp,
+  )(x_rc, h, seed)
+
+
+SMEM_LIMIT = 227 * 1024
+
+
+def ring_smem_bytes(block, hb, tile_r, stages, slots, wgs) -> int:
+  """Shared memory of one CTA of the persistent form."""
+  per_wg = (
+    stages * tile_r * TILE_C * 2
+    + slots * tile_r * (TILE_C + 4 * (TILE_C // block[1]))
+    + tile_r // TILE_R * 4 * TILE_R * 4
+  )
+  return wgs * per_wg + (TILE_C * TILE_C * 2 if hb else 0) + TILE_R * 4 + 64
+
+
+def _ring_call(
+  x_rc,
+  h,
+  seed,
+  *,
+  block,
+  hb,
+  sr,
+  n_cols,
+  tile_r,
+  stages,
+  slots,
+  wgs,
+  ctas,
+  interpret,
+):
+  r, c = x_rc.shape
+  bc = block[1]
+  col_tiles = c // TILE_C
+  n_tiles = (r // tile_r) * col_tiles
+  smem = ring_smem_bytes(block, hb, tile_r, stages, slots, wgs)
+  if smem > SMEM_LIMIT:
+    raise ValueError(f"quantize_mgpu: {smem} B of shared memory per CTA")
+  grid = min(ctas, pl.cdiv(n_tiles, wgs))
+  kernel = functools.partial(
+    _ring_kernel,
+    block=block,
+    hb=hb,
+    sr=sr,
+    n_cols=n_cols,
+    col_tiles=col_tiles,
+    n_tiles=n_tiles,
+    tile_r=tile_r,
+    stages=stages,
+    slots=slots,
+    wgs=wgs,
+    num_workers=grid * wgs,
+  )
+  scratch = (
+    plgpu.SMEM((TILE_R,), jnp.int32),
+    plgpu.SMEM(
+      (wgs, stages, tile_r, TILE_C), jnp.bfloat16, transforms=_BF16_TILES
+    ),
+    plgpu.SMEM((wgs, tile_r // TILE_R, 4, TILE_R), jnp.float32),
+    plgpu.SMEM((wgs, slots, tile_r, TILE_C), fmt.E4M3),
+    plgpu.SMEM((wgs, slots, TILE_C // bc, tile_r), jnp.float32),
+    plgpu.Barrier(num_barriers=2),
+    plgpu.Barrier(num_barriers=wgs * stages),
+  )
+  if hb is not None:
+    h_smem = plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=_BF16_TILES)
+    scratch = (h_smem, *scratch)
+  threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
+  return plgpu.kernel(
+    kernel,
+    out_type=(
+      jax.ShapeDtypeStruct((r, c), fmt.E4M3),
+      jax.ShapeDtypeStruct((c // bc, r), jnp.float32),
+    ),
+    grid=(grid,),
+    grid_names=("p",),
+    scratch_types=scratch,
+    interpret=interpret,
+    **threads,
   )(x_rc, h, seed)
 
 

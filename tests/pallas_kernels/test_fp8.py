@@ -492,6 +492,11 @@ def test_errors():
     # Hardware round-to-nearest, 128-row tiles in two parts, 3 stages.
     ((1, 128), None, False, 1, 384, dict(tile_r=128, stages=3)),
     ((32, 32), None, False, 1, 256, dict(tile_r=128, stages=2)),
+    # Persistent form: warpgroups of one CTA each walk their own ring of
+    # tiles (some get fewer tiles than others), sharing the Hadamard matrix.
+    ((1, 128), None, False, 1, 384, dict(warpgroups=4, out_slots=2)),
+    ((1, 128), 128, False, 1, 192, dict(warpgroups=2, out_slots=1)),
+    ((32, 32), 32, True, 2, 256, dict(warpgroups=1, tile_r=128, stages=3)),
   ],
 )
 def test_quantize_kernel_interpret_equals_reference(
@@ -628,15 +633,34 @@ def test_op_mosaic_interpret_under_vmap_and_grad():
 # ---------------------------------------------------------------------------
 
 
+_RING = [
+  dict(warpgroups=4, stages=2, out_slots=2),
+  dict(warpgroups=3, stages=2, out_slots=2),
+  dict(warpgroups=1, ctas_per_sm=4, stages=2, out_slots=2),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "block,hb,sr",
-  [((32, 32), None, False), ((32, 32), 32, True), ((1, 128), 128, False)],
+  "block,hb,sr,kw",
+  [
+    ((32, 32), None, False, {}),
+    ((32, 32), 32, True, {}),
+    ((1, 128), 128, False, {}),
+    ((1, 128), None, False, {}),
+    *[((1, 128), None, False, kw) for kw in _RING],
+    *[((1, 128), 128, False, kw) for kw in _RING[1:]],
+    ((1, 128), 128, True, _RING[1]),
+    ((32, 32), None, False, _RING[0]),
+  ],
 )
-def test_gpu_quantize_kernel(block, hb, sr):
-  x = _data(jax.random.key(34), (8192, 2048), jnp.bfloat16)
+def test_gpu_quantize_kernel(block, hb, sr, kw):
+  # 6144 rows: 1536 tiles, so the persistent workers get unequal counts.
+  x = _data(jax.random.key(34), (6144, 2048), jnp.bfloat16)
   seed = fmt.hash32(jnp.int32(5)) if sr else None
-  v, se = quantize_mgpu.quantize_mgpu(x, seed, block=block, hadamard=hb, sr=sr)
+  v, se = quantize_mgpu.quantize_mgpu(
+    x, seed, block=block, hadamard=hb, sr=sr, **kw
+  )
   rv, rs = ref.quantize_reference(x, block=block, hadamard=hb, seed_hash=seed)
   assert float(jnp.mean(se[:, :: block[0]].T == rs)) > 0.9999
   d = jnp.abs(v.astype(jnp.float32) - rv.astype(jnp.float32))
