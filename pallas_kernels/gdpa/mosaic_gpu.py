@@ -139,6 +139,8 @@ class BlockSizes:
   kv_split: int | None = None  # key parts per query tile (split-K)
   full_store: bool = True  # whole output tiles leave via a swizzled buffer
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
+  dkv_split: int | None = None  # dK/dV: query parts per key tile
+  dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
@@ -149,7 +151,15 @@ class BlockSizes:
       # Narrower V tiles take the 32/64-byte swizzle (`v_tile`); others
       # need whole 64-row swizzle groups.
       raise ValueError(f"block_kv={kv}: 16, 32, 64, 128, 192 or 256")
-    for f in ("kv_stages", "deal_chunk", "num_sms", "q_stages", "kv_split"):
+    for f in (
+      "kv_stages",
+      "deal_chunk",
+      "num_sms",
+      "q_stages",
+      "kv_split",
+      "dkv_split",
+      "dkv_stages",
+    ):
       if getattr(self, f) is not None and getattr(self, f) < 1:
         raise ValueError(f"{f} must be >= 1")
 
@@ -245,14 +255,15 @@ def act_and_grad(x, name: str, tanh: str = "poly"):
 # Work lists.
 
 
-def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
-  """Items of the dK/dV kernel: one per `block_kv`-row key tile, longest
-  first (cost: the query tiles it streams).
+def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv, parts=1):
+  """Items of the dK/dV kernel: `parts` per `block_kv`-row key tile (the
+  tile's query tiles cut into `parts` runs), longest first (cost: the query
+  tiles it streams); a tile's parts are consecutive, part fastest.
 
   Columns: 0 first packed row of the (8-aligned) key tile, 1-2 its valid
   rows `[lo, hi)`, 3 first packed row of the sequence's aligned query grid,
   4 query tiles of the sequence, 5 first query tile of this item, 6 query
-  tiles of this item, 7 sequence, 8 key length, 9 split index.
+  tiles of this item, 7 sequence, 8 key length, 9 part (split index).
   """
   kv_off, q_off = jmg.seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -272,19 +283,40 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
   lo = jnp.where(valid, jnp.clip(-kv_pos, 0, block_kv), 0)
   hi = jnp.where(valid, jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv), 0)
   n_q = n_q_b[seq]
+  steps = jnp.where(valid, n_q, 0)
+  part = jnp.arange(parts, dtype=jnp.int32)[None, :]
+  first = part * steps[:, None] // parts
+  count = (part + 1) * steps[:, None] // parts - first
+
+  def rep(c):
+    return jnp.broadcast_to(c[:, None], first.shape)
+
   cols = [
-    kv_off[seq] - kv_lead_b[seq] + tile * block_kv,
-    lo,
-    hi,
-    q_off[seq] - q_lead_b[seq],
-    n_q,
-    jnp.zeros_like(n_q),
-    jnp.where(valid, n_q, 0),
-    seq,
-    kv_len_b[seq],
-    jnp.zeros_like(n_q),
+    rep(kv_off[seq] - kv_lead_b[seq] + tile * block_kv),
+    rep(lo),
+    rep(hi),
+    rep(q_off[seq] - q_lead_b[seq]),
+    rep(n_q),
+    first,
+    count,
+    rep(seq),
+    rep(kv_len_b[seq]),
+    jnp.broadcast_to(part, first.shape),
   ]
-  return jnp.stack(cols, axis=1).astype(jnp.int32)
+  return jnp.stack(cols, axis=-1).reshape(-1, len(cols)).astype(jnp.int32)
+
+
+def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
+  """Query parts per dK/dV key tile (split over the query stream). One CTA
+  per (128-row key tile, KV head) leaves SMs idle when keys are short
+  (cross-attention over 16-64 keys: one tile per sequence, 2 x 32 CTAs on
+  132 SMs); cutting each tile's query stream into parts, each writing an
+  f32 partial that XLA adds, fills the chip. The real tiles are about
+  `max(seqs, kv_rows / 128)` (static estimate)."""
+  if bs.dkv_split is not None:
+    return bs.dkv_split
+  tiles = max(seqs, kv_rows // DKV_ROWS, 1)
+  return max(1, min(MAX_KV_SPLIT, bs.num_sms // (kv_heads * tiles)))
 
 
 # --------------------------------------------------------------------------
@@ -292,6 +324,7 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv):
 
 MAX_Q_STAGES = 4  # Q ring depth chosen when `q_stages` is None
 MAX_KV_SPLIT = 4  # key parts chosen when `kv_split` is None
+DKV_ROWS = 128  # key rows per dK/dV CTA (two warpgroups of 64)
 
 # Columns of the per-worker work table (`work_table`).
 (
@@ -682,14 +715,19 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 # dK, dV: per key tile, streaming the query tiles of every head of the group.
 
 
-def backward_dkv(q, k, v, do, q_side, do_side, items, static):
-  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group."""
+def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
+  """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
+
+  `items`: `key_items(..., parts=parts)`; with `parts > 1` each item adds
+  its part of the query stream into an f32 partial `[parts, s, k, h]`
+  (one f32 staging buffer per warpgroup, dK then dV), summed by XLA."""
   t, n, h = q.shape
   s, kh, _ = k.shape
   dtype = q.dtype
   group = n // kh
   bs = static.block_sizes
-  bq, bkv, mcs = bs.block_q, 64, 2
+  bq, bkv, mcs = bs.block_q, 64, bs.dkv_stages
+  out_dtype = jnp.float32 if parts > 1 else dtype
   wgs = 2  # consumer warpgroups, bkv key rows each
   num_items = items.shape[0]
   name, tanh, scale = static.activation, static.tanh, static.scale
@@ -704,7 +742,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
     it = lax.axis_index("items")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (kv_row, lo, hi, q_row0, n_q, t0, q_steps, seq, kv_len, _) = [
+    (kv_row, lo, hi, q_row0, n_q, t0, q_steps, seq, kv_len, part) = [
       items_ref[it, f] for f in range(10)
     ]
     total = q_steps * group
@@ -765,22 +803,30 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
 
+        def rows(dst):
+          if parts > 1:
+            return lambda r, size: dst.at[part, pl.ds(base + r, size), kv_head]
+          return lambda r, size: dst.at[pl.ds(base + r, size), kv_head]
+
         @pl.when(count > 0)
         def _():
           dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
-          dk_smem = dk_smem2.at[wg]
-          dv_smem = dv_smem2.at[wg]
-          dk_smem[...] = dk.astype(dtype)
-          dv_smem[...] = dv.astype(dtype)
-          plgpu.commit_smem()
-          for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
-            mosaic.ladder_store(
-              src,
-              lambda r, size, dst=dst: dst.at[pl.ds(base + r, size), kv_head],
-              my_lo,
-              count,
-              bkv,
-            )
+          if parts > 1:  # one f32 buffer: dK, then dV once it was read
+            buf = dk_smem2.at[wg]
+            for i, (val, dst) in enumerate(((dk, dk_ref), (dv, dv_ref))):
+              if i:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              buf[...] = val
+              plgpu.commit_smem()
+              mosaic.ladder_store(buf, rows(dst), my_lo, count, bkv)
+          else:
+            dk_smem = dk_smem2.at[wg]
+            dv_smem = dv_smem2.at[wg]
+            dk_smem[...] = dk.astype(dtype)
+            dv_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            for src, dst in ((dk_smem, dk_ref), (dv_smem, dv_ref)):
+              mosaic.ladder_store(src, rows(dst), my_lo, count, bkv)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         # A warpgroup whose 64 key rows all lie past the sequence (short
@@ -826,16 +872,18 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
   scratch = [
     tile((wgs, bkv, h), dtype),
     tile((wgs, bkv, h), dtype),
-    plgpu.SMEM((wgs, bkv, h), dtype),
-    plgpu.SMEM((wgs, bkv, h), dtype),
+    plgpu.SMEM((wgs, bkv, h), out_dtype),
+    # dV's buffer (f32 partials share dK's, one after the other).
+    plgpu.SMEM((wgs, bkv, h) if parts == 1 else (8, h), dtype),
     tile((mcs, bq, h), dtype),
     tile((mcs, bq, h), dtype),
     plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
     plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
     plgpu.Barrier(num_arrivals=wgs, num_barriers=mcs),
   ]
-  kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
-  return plgpu.kernel(
+  kv_shape = (parts, s, kh, h) if parts > 1 else (s, kh, h)
+  kv_type = jax.ShapeDtypeStruct(kv_shape, out_dtype)
+  dk, dv = plgpu.kernel(
     kernel,
     out_type=[kv_type, kv_type],
     scratch_types=scratch,
@@ -846,3 +894,6 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static):
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
   )(items, q, k, v, do, q_side, do_side)
+  if parts > 1:  # the parts simply add
+    dk, dv = (x.sum(axis=0).astype(dtype) for x in (dk, dv))
+  return dk, dv

@@ -22,7 +22,6 @@ from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
 TANH_MODES = ("poly", "poly_unchecked", "exact")
-DKV_BLOCK = 128  # key rows per dK/dV CTA (two warpgroups of 64)
 
 
 def _query_side(static, q, k, v, do, q_off, kv_off):
@@ -75,17 +74,19 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   dq = _query_side(static, q, k, v, do, q_off, kv_off)
+  bs = static.block_sizes
+  parts = mg.dkv_parts(bs, q_off.shape[0] - 1, k.shape[0], k.shape[1])
   items = mg.key_items(
     q_off,
     kv_off,
     k.shape[0],
-    block_q=static.block_sizes.block_q,
-    block_kv=DKV_BLOCK,
+    block_q=bs.block_q,
+    block_kv=mg.DKV_ROWS,
+    parts=parts,
   )
-  bq = static.block_sizes.block_q
-  q_side = jmg.side_tiles(q, q_off, bq)
-  do_side = jmg.side_tiles(do, q_off, bq)
-  dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static)
+  q_side = jmg.side_tiles(q, q_off, bs.block_q)
+  do_side = jmg.side_tiles(do, q_off, bs.block_q)
+  dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static, parts)
   return dq[:t], dk[:s], dv[:s], None, None
 
 

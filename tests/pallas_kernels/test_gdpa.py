@@ -65,10 +65,18 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
 
 
 SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
-# Narrow key tiles (the short-KV choice) and a 3-deep Q ring.
-NARROW = mg.BlockSizes(num_sms=2, deal_chunk=2, block_kv=16, q_stages=3)
-# Split-K: each query tile's keys in 3 parts (f32 partial outputs).
-SPLIT = mg.BlockSizes(num_sms=2, deal_chunk=2, block_kv=32, kv_split=3)
+# Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
+# each key tile's query stream in 3 parts (f32 partials; a sequence with
+# one query tile leaves parts without work, which must write zeros) through
+# a 3-deep (Q, dO) ring.
+NARROW = mg.BlockSizes(
+  num_sms=2, deal_chunk=2, block_kv=16, q_stages=3, dkv_split=3, dkv_stages=3
+)
+# Split-K: each query tile's keys in 3 parts (f32 partial outputs), and
+# dK/dV's query stream in 2.
+SPLIT = mg.BlockSizes(
+  num_sms=2, deal_chunk=2, block_kv=32, kv_split=3, dkv_split=2
+)
 
 
 def test_cross_attention_gelu_interpret():
