@@ -60,10 +60,38 @@ def _time_mem(fn, arg_sets) -> float:
   return common.device_time(fn, arg_sets, calls=30)
 
 
-def _rel(a, b) -> float:
+@jax.jit
+def _rel_j(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  return jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
+
+
+def _rel(a, b) -> float:
+  # Jitted (as every check below): op-by-op dispatch compiles each small op
+  # separately, which is what made a shape take minutes on the device.
+  return float(_rel_j(a, b))
+
+
+def _kernel_operands(x, w, *, ablk, bblk):
+  """Quantized operands of the matmul kernel alone, scales in its layout."""
+  m, n = x.shape[0], w.shape[1]
+  av, as_ = ref.quantize_reference(x, block=ablk)
+  bv, bs_ = ref.quantize_reference(w.T, block=bblk)
+  sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
+  sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
+  return av, as_, bv, bs_, sa, sb
+
+
+def _same(v, se, rv, rs, br):
+  """Fractions of values and of scales equal to the reference's."""
+  same_v, same_s = jax.jit(
+    lambda v, se, rv, rs: (
+      jnp.mean((v.astype(jnp.float32) == rv.astype(jnp.float32)) * 1.0),
+      jnp.mean((se[:, ::br].T == rs) * 1.0),
+    )
+  )(v, se, rv, rs)
+  return float(same_v), float(same_s)
 
 
 class Bench:
@@ -192,12 +220,12 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     label = f"ours {fmt_name}" + (f" H{hb}" if hb else "")
 
     def fwd_case(fmt_name=fmt_name, hb=hb, label=label):
-      wqs = [
-        fp8.quantize(
+      qw = jax.jit(
+        lambda w: fp8.quantize(
           w, axis=0, kind="weight", format=fmt_name, hadamard=hb
         ).detach()
-        for _, w, _ in sets
-      ]
+      )
+      wqs = [qw(w) for _, w, _ in sets]
       f = jax.jit(
         lambda x, wq: fp8.fp8_dot_general(
           x, wq, DN, format=fmt_name, hadamard=hb
@@ -206,9 +234,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       # Correctness at this shape: against the XLA reference path.
       x0 = sets[0][0]
       got = f(x0, wqs[0])
-      want = fp8.fp8_dot_general(
-        x0, wqs[0], DN, format=fmt_name, hadamard=hb, implementation="xla"
-      )
+      want = jax.jit(
+        lambda x, wq: fp8.fp8_dot_general(
+          x, wq, DN, format=fmt_name, hadamard=hb, implementation="xla"
+        )
+      )(x0, wqs[0])
       exact = jnp.dot(
         x0.astype(jnp.float32),
         sets[0][1].astype(jnp.float32),
@@ -240,13 +270,13 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   def prequantized_case():
     """x arriving in fp8 (as from the RMSNorm with fused quantization): the
     forward is then the GEMM and its glue alone."""
-    qsets = [
-      (
+    q = jax.jit(
+      lambda x, w: (
         fp8.quantize(x, axis=1, kind="activation").detach(),
         fp8.quantize(w, axis=0, kind="weight").detach(),
       )
-      for x, w, _ in sets
-    ]
+    )
+    qsets = [q(x, w) for x, w, _ in sets]
     label = "ours deepseek, x pre-quantized"
     t = base(label, lambda xq, wq: fp8.fp8_dot_general(xq, wq, DN), qsets)
     if t is not None:
@@ -280,17 +310,15 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       g = jax.jit(loss_vjp)
       # Weights quantized once per step, outside the timed function; their
       # `source` receives the gradient.
-      qsets = [
-        (
-          x,
-          fp8.quantize(w, axis=0, kind="weight", format=fmt_name, hadamard=hb),
-          dy,
+      qw = jax.jit(
+        lambda w: fp8.quantize(
+          w, axis=0, kind="weight", format=fmt_name, hadamard=hb
         )
-        for x, w, dy in sets
-      ]
+      )
+      qsets = [(x, qw(w), dy) for x, w, dy in sets]
       x0, w0, dy0 = sets[0]
       dx, dw = g(*qsets[0])
-      rdx, rdw = bf16_bwd(
+      rdx, rdw = jax.jit(bf16_bwd)(
         x0.astype(jnp.float32), w0.astype(jnp.float32), dy0.astype(jnp.float32)
       )
       b.add(case, label, "dx err vs f32", _rel(dx, rdx))
@@ -325,10 +353,9 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
     def kernel_case(kb=kb, ablk=ablk, bblk=bblk):
       x, w, _ = sets[0]
-      av, as_ = ref.quantize_reference(x, block=ablk)
-      bv, bs_ = ref.quantize_reference(w.T, block=bblk)
-      sa = jnp.repeat(as_.T, ablk[0], axis=1)[:, :m]
-      sb = jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n]
+      av, as_, bv, bs_, sa, sb = jax.jit(
+        functools.partial(_kernel_operands, ablk=ablk, bblk=bblk)
+      )(x, w)
       f = functools.partial(
         matmul_mgpu.scaled_matmul_mgpu,
         kb=kb,
@@ -336,9 +363,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
         b_scale_uniform=bblk[0] == 128,
       )
       got = f(av, sa, bv, sb)
-      want = ref.scaled_matmul_reference(
-        av, as_, ablk, bv, bs_, bblk, out_dtype=BF16
-      )
+      want = jax.jit(
+        lambda av, as_, bv, bs_: ref.scaled_matmul_reference(
+          av, as_, ablk, bv, bs_, bblk, out_dtype=BF16
+        )
+      )(av, as_, bv, bs_)
       b.add(case, f"kernel matmul kb={kb}", "err vs ref", _rel(got, want))
       t = _time(f, [(av, sa, bv, sb)] * 2)
       b.add(
@@ -361,11 +390,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
         lambda x: quantize_mgpu.quantize_mgpu(x, block=block, hadamard=hb)
       )
       v, se = f(xs[0][0])
-      rv, rs = ref.quantize_reference(xs[0][0], block=block, hadamard=hb)
-      same_v = float(
-        jnp.mean((v.astype(jnp.float32) == rv.astype(jnp.float32)) * 1.0)
+      fx = jax.jit(
+        lambda x: ref.quantize_reference(x, block=block, hadamard=hb)
       )
-      same_s = float(jnp.mean((se[:, :: block[0]].T == rs) * 1.0))
+      rv, rs = fx(xs[0][0])
+      same_v, same_s = _same(v, se, rv, rs, block[0])
       b.add(case, label, "values equal", same_v)
       b.add(case, label, "scales equal", same_s)
       t = _time_mem(f, xs)
@@ -378,9 +407,6 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
         baseline="copy bandwidth",
         baseline_value=copy_bw / 1e12,
         goal=GOAL_QUANT,
-      )
-      fx = jax.jit(
-        lambda x: ref.quantize_reference(x, block=block, hadamard=hb)
       )
       tx = _time_mem(fx, xs)
       b.add(
@@ -483,7 +509,7 @@ def _ring(w, c=1, s=2, o=2, r=64):
 # (block, hadamard) -> [(name, quantize_mgpu keywords)] of the quantize sweep.
 QUANT_SWEEP = {
   ((1, 128), None): [
-    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    ("grid rows64 st2", dict(warpgroups=0, tile_r=64, stages=2)),
     _ring(1, c=4),
     _ring(2, c=2),
     _ring(4),
@@ -493,7 +519,7 @@ QUANT_SWEEP = {
     _ring(1, c=2, r=128),
   ],
   ((1, 128), 128): [
-    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    ("grid rows64 st2", dict(warpgroups=0, tile_r=64, stages=2)),
     _ring(1, c=2),
     _ring(3),
     _ring(4, o=1),
@@ -501,7 +527,7 @@ QUANT_SWEEP = {
     _ring(2, s=3),
   ],
   ((32, 32), None): [
-    ("grid rows64 st2", dict(tile_r=64, stages=2)),
+    ("grid rows64 st2", dict(warpgroups=0, tile_r=64, stages=2)),
     _ring(4),
   ],
 }
@@ -526,7 +552,14 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
         continue
 
       def one(
-        block=block, hb=hb, kw=kw, label=label, rv=rv, rs=rs, nbytes=nbytes
+        block=block,
+        hb=hb,
+        kw=kw,
+        label=label,
+        rv=rv,
+        rs=rs,
+        nbytes=nbytes,
+        first=name == configs[0][0],
       ):
         f = jax.jit(
           lambda x: quantize_mgpu.quantize_mgpu(
@@ -541,7 +574,7 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
         b.add(case, label, "values equal", same_v)
         b.add(case, label, "scales equal", same_s)
         t = _time_mem(f, xs)
-        if kw is configs[0][1]:  # the old timing (10 queued calls) beside
+        if first:  # the old timing (10 queued calls) beside
           b.add(case, label, "TB/s 10 calls", nbytes / _time(f, xs) / 1e12)
         b.add(
           case,
@@ -583,6 +616,11 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--no-bwd", action="store_true")
   p.add_argument(
+    "--bwd-shapes",
+    default=None,
+    help="comma-separated shape indices: the backward only at these",
+  )
+  p.add_argument(
     "--sweep-only",
     action="store_true",
     help="only the matmul tile sweep and the quantize kernel sweep",
@@ -611,10 +649,18 @@ def main(argv=None):
     quant_sweep(b, copy_bw, args.sweep_filter)
     if not args.quant_sweep:
       sweep(b, args.sweep_filter)
+  bwd_shapes = (
+    None
+    if args.bwd_shapes is None
+    else {SHAPES[int(i)] for i in args.bwd_shapes.split(",")}
+  )
   for m, k, n in shapes:
     if time.perf_counter() - t0 > args.max_seconds:
       print(f"time limit: skipping {m}x{k}x{n}", flush=True)
       continue
+    NO_BWD = args.no_bwd or (
+      bwd_shapes is not None and (m, k, n) not in bwd_shapes
+    )
     bench_shape(b, m, k, n, copy_bw)
     _save(b.records, args.out)
   if (

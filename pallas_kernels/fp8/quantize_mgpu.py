@@ -2,9 +2,24 @@
 
 One pass over `x_rc` (bf16): optional random Hadamard transform, block maxima,
 power-of-two scales, optional stochastic rounding, e4m3 cast; writes the
-values `v_rc` and the scales. Each program (one warpgroup) walks a column
-of `tile_r x 128` tiles of `x` (`tile_r` = 64 or 128, processed as 64-row
-parts) through a TMA pipeline of `stages` tiles:
+values `v_rc` and the scales. The work is split in `tile_r x 128` tiles of
+`x` (`tile_r` = 64 or 128, processed as 64-row parts), walked by workers
+(warpgroups) in one of two forms:
+
+- ring (persistent; the default for 1x128 blocks): `num_sms * ctas_per_sm`
+  CTAs of `warpgroups` warpgroups each; worker `p` of `P` takes tiles
+  `p, p + P, ...` in row-major tile order (neighbouring workers read
+  neighbouring 256-byte pieces of the same rows), through its own ring of
+  `stages` input tiles and `out_slots` output tiles. A slot is refilled as
+  soon as its tile is in registers (before the quantize math), and the
+  Hadamard matrix is loaded once per CTA and shared by its warpgroups, so
+  with a transform four workers share an SM in 193 KB instead of two
+  programs in 2 x 81 KB. No per-program prologue or store drain.
+- grid (the default for 32x32 blocks): one program (one warpgroup) per
+  column of `steps` row tiles, enough programs for >= 4 per SM, each
+  through `plgpu.emit_pipeline` with `stages` tiles in flight.
+
+Per tile:
 
 1. TMA brings the tile into shared memory.
 2. Hadamard: one wgmma of the tile with `blockdiag(D H)` (+-1 entries, exact
@@ -33,6 +48,12 @@ tiles need `r % 128 == 0` (else 64-row tiles are used). Shared memory:
 `stages` input tiles (bf16), two output tiles (e4m3) and their scales, and
 the Hadamard matrix only when one is applied (a smaller footprint lets more
 programs share an SM, which is what hides the memory latency here).
+
+Measured on the H200 at 16384 x 4096 (`_DEFAULTS` below, .notes/fp8.md):
+1x128 at 0.82 of the copy bandwidth, 1x128 + H128 at 0.82 (the grid form:
+0.80 and 0.69; the Hadamard form gains most from the shared matrix, as the
+wgmma work, ~17 us per SM under ~49 us of memory time, is spread over four
+workers instead of two).
 """
 
 import functools
@@ -47,10 +68,34 @@ from pallas_kernels.fp8 import format as fmt
 
 TILE_R = 64
 TILE_C = 128
-# Tile rows and pipeline depth (see `quantize_mgpu`); the H200 figures are in
-# .notes/fp8.md.
-DEFAULT_TILE_R = 64
-DEFAULT_STAGES = 2
+# Default configurations (see `quantize_mgpu`), from the H200 sweep at
+# 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`, .notes/fp8.md;
+# fraction of the copy bandwidth, 30 queued calls):
+#   1x128:        ring, 2 CTAs of 1 warpgroup per SM, 128-row tiles,
+#                 2 stages: 0.82 (grid form 0.80, other rings 0.73-0.80)
+#   1x128 + H128: ring, 1 CTA of 4 warpgroups sharing the Hadamard matrix,
+#                 1 stage, 2 output slots: 0.82 (grid form 0.69)
+#   32x32:        grid form, 64-row tiles, 2 stages: 0.73 (ring 0.72)
+# `warpgroups=0` is the grid form.
+_DEFAULTS = {
+  ((1, 128), False): dict(
+    warpgroups=1, ctas_per_sm=2, tile_r=128, stages=2, out_slots=2
+  ),
+  ((1, 128), True): dict(
+    warpgroups=4, ctas_per_sm=1, tile_r=64, stages=1, out_slots=2
+  ),
+  ((32, 32), False): dict(warpgroups=0, tile_r=64, stages=2),
+  ((32, 32), True): dict(warpgroups=0, tile_r=64, stages=2),
+}
+
+
+def default_config(block, hadamard) -> dict:
+  """The measured default keywords of `quantize_mgpu` for this format."""
+  cfg = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
+  cfg.update(_DEFAULTS[tuple(block), hadamard is not None])
+  return cfg
+
+
 SUPPORTED_BLOCKS = ((32, 32), (1, 128))
 SUPPORTED_HADAMARD = (None, 32, 64, 128)
 
@@ -374,22 +419,36 @@ def quantize_mgpu(
   interpret=False,
   num_sms=132,
   n_cols=None,
-  tile_r=DEFAULT_TILE_R,
-  stages=DEFAULT_STAGES,
+  tile_r=None,
+  stages=None,
   warpgroups=None,
-  ctas_per_sm=1,
-  out_slots=2,
+  ctas_per_sm=None,
+  out_slots=None,
 ):
   """`(v_rc, se_Cr)` for bf16 `x_rc` with `r % 64 == 0`, `c % 128 == 0`.
 
   `n_cols`: the unpadded column count, which indexes the random bits of
   stochastic rounding (so padding does not change them). `tile_r` (64 or
-  128) rows per pipeline step, `stages` steps in flight.
+  128) rows per pipeline step, `stages` steps in flight. `warpgroups=0`:
+  the grid form (programs of a few tiles each); `warpgroups >= 1`: the
+  persistent ring form with that many warpgroups per CTA, `ctas_per_sm`
+  CTAs per SM and `out_slots` output tiles per warpgroup. `None` takes the
+  measured default of the format (`default_config`).
   """
   r, c = x_rc.shape
   block = tuple(block)
   if block not in SUPPORTED_BLOCKS or hadamard not in SUPPORTED_HADAMARD:
     raise NotImplementedError(f"quantize_mgpu: {block=} {hadamard=}")
+  cfg = default_config(block, hadamard)
+  given = dict(
+    tile_r=tile_r,
+    stages=stages,
+    warpgroups=warpgroups,
+    ctas_per_sm=ctas_per_sm,
+    out_slots=out_slots,
+  )
+  cfg.update({k: v for k, v in given.items() if v is not None})
+  tile_r, stages = cfg["tile_r"], cfg["stages"]
   if r % TILE_R or c % TILE_C:
     raise ValueError(f"quantize_mgpu needs r % 64 == c % 128 == 0, {r=} {c=}")
   if tile_r not in (64, 128):
@@ -404,7 +463,7 @@ def quantize_mgpu(
   )
   row_tiles, col_tiles = r // tile_r, c // TILE_C
   interp = plgpu.InterpretGPUParams() if interpret else None
-  if warpgroups is not None:
+  if cfg["warpgroups"]:
     return _ring_call(
       x_rc,
       h,
@@ -415,9 +474,9 @@ def quantize_mgpu(
       n_cols=n_cols or c,
       tile_r=tile_r,
       stages=stages,
-      slots=out_slots,
-      wgs=warpgroups,
-      ctas=num_sms * ctas_per_sm,
+      slots=cfg["out_slots"],
+      wgs=cfg["warpgroups"],
+      ctas=num_sms * cfg["ctas_per_sm"],
       interpret=interp,
     )
   # Enough programs to fill the chip several times over; each walks `steps`

@@ -486,11 +486,14 @@ def test_errors():
 @pytest.mark.parametrize(
   "block,hb,sr,num_sms,rows,tile",
   [
+    # The defaults (grid form for 32x32, ring form for 1x128).
     ((32, 32), None, False, 132, 192, {}),
-    ((32, 32), 32, True, 1, 192, {}),  # one program walks a 3-step pipeline
     ((1, 128), 128, True, 132, 192, {}),
-    # Hardware round-to-nearest, 128-row tiles in two parts, 3 stages.
-    ((1, 128), None, False, 1, 384, dict(tile_r=128, stages=3)),
+    ((1, 128), None, False, 1, 384, {}),
+    # Grid form: one program walks a 3-step pipeline.
+    ((32, 32), 32, True, 1, 192, dict(warpgroups=0)),
+    # Grid form, hardware round-to-nearest, 128-row tiles in two parts.
+    ((1, 128), None, False, 1, 384, dict(warpgroups=0, tile_r=128, stages=3)),
     ((32, 32), None, False, 1, 256, dict(tile_r=128, stages=2)),
     # Persistent form: warpgroups of one CTA each walk their own ring of
     # tiles (some get fewer tiles than others), sharing the Hadamard matrix.
@@ -638,6 +641,7 @@ _RING = [
   dict(warpgroups=3, stages=2, out_slots=2),
   dict(warpgroups=1, ctas_per_sm=4, stages=2, out_slots=2),
 ]
+_GRID = dict(warpgroups=0, tile_r=64, stages=2)
 
 
 @pytest.mark.gpu
@@ -648,6 +652,8 @@ _RING = [
     ((32, 32), 32, True, {}),
     ((1, 128), 128, False, {}),
     ((1, 128), None, False, {}),
+    ((1, 128), 128, False, _GRID),
+    ((1, 128), None, False, _GRID),
     *[((1, 128), None, False, kw) for kw in _RING],
     *[((1, 128), 128, False, kw) for kw in _RING[1:]],
     ((1, 128), 128, True, _RING[1]),
