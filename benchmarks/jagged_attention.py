@@ -117,6 +117,7 @@ def run_case(h, mix, rng, args, records, extra):
     valid_q = np.arange(LMAX)[None, :] < q_lens[:, None]
     valid_kv = np.arange(lmax_kv)[None, :] < kv_lens[:, None]
     got = [jax.jit(ours)(q, k, v), *jax.jit(common.loss_grad(ours))(*sets[0])]
+    default_grads[:] = got[1:]  # what the tune variants are checked against
     want = [jax.jit(cudnn)(*padded[0][:3])]
     want += jax.jit(common.loss_grad(cudnn))(*padded[0])
     errs = {}
@@ -134,6 +135,7 @@ def run_case(h, mix, rng, args, records, extra):
     print(f"{case}: ours vs cuDNN rel err {errs}", flush=True)
     return errs
 
+  default_grads = []
   errs = common.checked("jagged_attention", case, check, records, MAX_REL_ERR)
 
   times = {}
@@ -190,7 +192,7 @@ def run_case(h, mix, rng, args, records, extra):
 
   try:  # extra timings must not lose the main records
     if args.tune and mix == "lognormal":
-      tune(h, case, q_off_j, kv_off_j, sets, extra)
+      tune(h, case, q_off_j, kv_off_j, sets, extra, default_grads)
     if args.breakdown and mix in ("lognormal", "all2048"):
       breakdown(h, case, q_off_j, kv_off_j, sets, times, extra)
   except Exception as e:
@@ -198,26 +200,31 @@ def run_case(h, mix, rng, args, records, extra):
 
 
 # Variants beside each head dim's default (`BlockSizes.default`), timed
-# forward + backward: the fused backward at D=128 (the default keeps the dQ
-# kernel there) with and without the dS exchange between the consumers;
-# at 64 the fused one without the exchange and the dQ kernel. Measured
-# before and in the notes: the non-persistent forward, plain dQ staging; at
-# D=128 block_kv 64, a 3-stage ring and dQ key block 128 (slower, over
-# shared memory, over shared memory).
+# forward + backward: the backward without `bwd_pipeline` (the default
+# before; two wgmmas per wait now), FA3's 240/24 register split, and the
+# fused backward without the dS exchange (own half's dQ, all columns); at
+# D=128 also the fused backward. Measured before and in the notes: the
+# non-persistent forward, plain dQ staging; at D=128 block_kv 64, a 3-stage
+# ring and dQ key block 128 (slower, over shared memory, over shared
+# memory); at D=64 the unfused backward (5% slower).
 TUNE = {
   128: [
-    mg.BlockSizes(fused_bwd=True),
-    mg.BlockSizes(fused_bwd=True, dq_exchange=False),
+    mg.BlockSizes(fused_bwd=False, bwd_pipeline=False),
+    mg.BlockSizes(fused_bwd=False, bwd_registers=240),
+    mg.BlockSizes(dq_exchange=False),
+    mg.BlockSizes(),
   ],
   64: [
+    mg.BlockSizes(block_kv_dq=128, bwd_pipeline=False),
     mg.BlockSizes(block_kv_dq=128, dq_exchange=False),
-    mg.BlockSizes(block_kv_dq=128, fused_bwd=False),
+    mg.BlockSizes(block_kv_dq=128, bwd_registers=240),
   ],
 }
 
 
-def tune(h, case, q_off, kv_off, sets, extra):
-  """The op under other block sizes (see `TUNE`)."""
+def tune(h, case, q_off, kv_off, sets, extra, default_grads):
+  """The op under other block sizes (see `TUNE`); each variant's gradients
+  are checked against the default's first."""
   kind = "fwdbwd"
   for bs in TUNE[h]:
 
@@ -225,12 +232,22 @@ def tune(h, case, q_off, kv_off, sets, extra):
       return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
 
     try:
+      grads = jax.jit(common.loss_grad(ours))(*sets[0])
+      err = max(
+        common.rel_err(g, w) for g, w in zip(grads, default_grads, strict=True)
+      ) if default_grads else float("nan")  # fmt: skip
       sec = common.time_sets(common.loss_grad(ours), sets)
     except Exception as e:  # e.g. shared memory overflow
       print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
       continue
-    print(f"{case:16s} tune {kind:7s} {sec * 1e3:8.3f} ms  {bs}", flush=True)
-    extra.append({"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3})
+    print(
+      f"{case:16s} tune {kind:7s} {sec * 1e3:8.3f} ms  grads vs default "
+      f"{err:.1e}  {bs}",
+      flush=True,
+    )
+    extra.append(
+      {"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3, "err": err}
+    )
 
 
 def breakdown(h, case, q_off, kv_off, sets, times, extra):

@@ -129,6 +129,10 @@ class BlockSizes:
   dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
   # memory: the wgmma-layout store hits one bank octet per 8 rows)
   dq_exchange: bool = True  # fused: dS halves shared (`backward_dkv`)
+  bwd_pipeline: bool = True  # backward: two wgmmas in flight per wait
+  # (`_two_matmuls`, `_accumulate2`)
+  bwd_registers: int = 232  # backward consumers' registers (the producer
+  # gets 504 - 2x this: 40, or 24 with FA3's 240)
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
@@ -138,6 +142,8 @@ class BlockSizes:
         raise ValueError(f"{f.name}={v} must be a multiple of 64")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
+    if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
+      raise ValueError("bwd_registers must be 232 or 240")
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
@@ -348,6 +354,43 @@ def _key_loop(step, carry, kv_steps, causal, first_row, bkv):
   return lax.fori_loop(
     n_full, kv_steps, functools.partial(step, masked=True), carry
   )
+
+
+def _two_matmuls(a1, b1, a2, b2, shape, mid, interpret):
+  """`(mid(a1 @ b1), a2 @ b2)` with both wgmmas issued back to back and
+  `mid` (the softmax's exp) running while the second is in flight: one
+  drain for two matmuls. Interpret mode: plain sequential matmuls."""
+  if interpret is not None:
+    x = mid(mosaic.matmul(a1, b1, shape))
+    return x, mosaic.matmul(a2, b2, shape)
+
+  def scoped(acc1, acc2):
+    plgpu.wgmma(acc1, a1, b1)
+    plgpu.wgmma(acc2, a2, b2)
+    x = mid(plgpu.wgmma_accumulator_load(acc1, wait_n=1))
+    return x, plgpu.wgmma_accumulator_load(acc2, wait_n=0)
+
+  return pl.run_scoped(
+    scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)
+  )
+
+
+def _accumulate2(acc1, a1, b1, acc2, a2, b2, interpret, then=None):
+  """`(acc1 + a1 @ b1, acc2 + a2 @ b2)`, both wgmmas in flight together
+  (register `a` operands allowed), `then()` while they run."""
+  if interpret is not None:
+    acc1 = mosaic.accumulate(acc1, a1, b1, interpret)
+    return acc1, mosaic.accumulate(acc2, a2, b2, interpret, then)
+
+  def body(refs):
+    r1, r2 = refs
+    plgpu.wgmma(r1, a1, b1)
+    plgpu.wgmma(r2, a2, b2)
+    if then is not None:
+      then()
+
+  out = pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
+  return out[0], out[1]
 
 
 def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
@@ -835,7 +878,8 @@ def backward_dq(
     def _work():
       @pl.when(wg < hpc)
       def _compute():
-        plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+        regs = bs.bwd_registers if hpc == 2 else 240
+        plgpu.set_max_registers(regs, action="increase")
         head = hp * hpc + wg
         q_smem = q_smem2.at[wg]
         do_smem = do_smem2.at[wg]
@@ -864,19 +908,27 @@ def backward_dq(
 
         def step(i, dq, masked: bool):
           slot = lax.rem(i, mcs)
+
+          def probs(s):
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+            if masked:
+              q_at = mosaic.iota((bq, bkv), 0) + q_pos
+              k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
+              p = mosaic.select(q_at >= k_at, p, 0.0)
+            return p
+
           plgpu.barrier_wait(k_bar.at[slot])
-          s = mosaic.matmul(
-            q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv)
-          )
-          p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
-          if masked:
-            q_at = mosaic.iota((bq, bkv), 0) + q_pos
-            k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
-            p = mosaic.select(q_at >= k_at, p, 0.0)
-          plgpu.barrier_wait(v_bar.at[slot])
-          dp = mosaic.matmul(
-            do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bkv)
-          )
+          k_t = k_smem.at[slot].transpose((1, 0))
+          v_t = v_smem.at[slot].transpose((1, 0))
+          if bs.bwd_pipeline:  # dP's wgmma runs during the exp
+            plgpu.barrier_wait(v_bar.at[slot])
+            p, dp = _two_matmuls(
+              q_smem, k_t, do_smem, v_t, (bq, bkv), probs, static.interpret
+            )
+          else:
+            p = probs(mosaic.matmul(q_smem, k_t, (bq, bkv)))
+            plgpu.barrier_wait(v_bar.at[slot])
+            dp = mosaic.matmul(do_smem, v_t, (bq, bkv))
           mosaic.release(v_free.at[slot])
           ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
           dq = mosaic.accumulate(
@@ -901,7 +953,8 @@ def backward_dq(
 
       @pl.when(wg == hpc)
       def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
+        plgpu.set_max_registers(regs, action="decrease")
         _kv_producer(
           k_ref,
           v_ref,
@@ -1050,7 +1103,7 @@ def backward_dkv(
     def _work():
       @pl.when(wg < wgs)
       def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(bs.bwd_registers, action="increase")
         k_smem = k_smem2.at[wg]
         v_smem = v_smem2.at[wg]
         base = mosaic.aligned(kv_row + wg * bkv)
@@ -1087,32 +1140,57 @@ def backward_dkv(
           dk, dv = carry
           slot = lax.rem(j, mcs)
           head, tile = coords(j)
+          q_t = q_smem.at[slot].transpose((1, 0))
+          do_t = do_smem.at[slot].transpose((1, 0))
+
+          def probs(st):
+            plgpu.barrier_wait(lse_bar.at[slot])
+            lse_r = plgpu.load(
+              lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
+            )
+            pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse_r, st.shape, [1]))
+            if masked:
+              q_at = mosaic.iota((bkv, bq), 1) + (tile * bq - q_lead)
+              k_at = mosaic.iota((bkv, bq), 0) + my_pos
+              pt = mosaic.select(q_at >= k_at, pt, 0.0)
+            return pt
+
+          def grad_s(pt, dpt):
+            plgpu.barrier_wait(delta_bar.at[slot])
+            delta_r = plgpu.load(
+              delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
+            )
+            dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
+            return dst.astype(dtype)
+
           plgpu.barrier_wait(q_bar.at[slot])
-          st = mosaic.matmul(
-            k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq)
-          )
-          plgpu.barrier_wait(lse_bar.at[slot])
-          lse_r = plgpu.load(
-            lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
-          )
-          pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse_r, st.shape, [1]))
-          if masked:
-            q_at = mosaic.iota((bkv, bq), 1) + (tile * bq - q_lead)
-            k_at = mosaic.iota((bkv, bq), 0) + my_pos
-            pt = mosaic.select(q_at >= k_at, pt, 0.0)
+          if bs.bwd_pipeline:
+            # S^T and dP^T issued together (the exp runs during dP^T), then
+            # dV and dK together, with dS's store to shared memory and the
+            # fused dQ queued behind them: two drains per step, not five.
+            plgpu.barrier_wait(do_bar.at[slot])
+            pt, dpt = _two_matmuls(
+              k_smem, q_t, v_smem, do_t, (bkv, bq), probs, static.interpret
+            )
+            ds16 = grad_s(pt, dpt)
+            dv, dk = _accumulate2(
+              dv,
+              pt.astype(dtype),
+              do_smem.at[slot],
+              dk,
+              ds16,
+              q_smem.at[slot],
+              static.interpret,
+              (lambda: add_dq(j, head, tile, ds16)) if fused else None,
+            )
+            mosaic.release(free.at[slot])
+            return dk, dv
+          pt = probs(mosaic.matmul(k_smem, q_t, (bkv, bq)))
           plgpu.barrier_wait(do_bar.at[slot])
           dv = mosaic.accumulate(
             dv, pt.astype(dtype), do_smem.at[slot], static.interpret
           )
-          dpt = mosaic.matmul(
-            v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
-          )
-          plgpu.barrier_wait(delta_bar.at[slot])
-          delta_r = plgpu.load(
-            delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
-          )
-          dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
-          ds16 = dst.astype(dtype)
+          ds16 = grad_s(pt, mosaic.matmul(v_smem, do_t, (bkv, bq)))
           dk = mosaic.accumulate(dk, ds16, q_smem.at[slot], static.interpret)
           mosaic.release(free.at[slot])
           if fused:
@@ -1216,7 +1294,7 @@ def backward_dkv(
 
       @pl.when(wg == wgs)
       def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(504 - 2 * bs.bwd_registers, action="decrease")
 
         def issue(j, slot):
           head, tile = coords(j)
