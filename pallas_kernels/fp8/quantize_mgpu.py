@@ -89,11 +89,12 @@ _DEFAULTS = {
 }
 
 
+_BASE = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
+
+
 def default_config(block, hadamard) -> dict:
   """The measured default keywords of `quantize_mgpu` for this format."""
-  cfg = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
-  cfg.update(_DEFAULTS[tuple(block), hadamard is not None])
-  return cfg
+  return {**_BASE, **_DEFAULTS[tuple(block), hadamard is not None]}
 
 
 SUPPORTED_BLOCKS = ((32, 32), (1, 128))
@@ -432,14 +433,18 @@ def quantize_mgpu(
   128) rows per pipeline step, `stages` steps in flight. `warpgroups=0`:
   the grid form (programs of a few tiles each); `warpgroups >= 1`: the
   persistent ring form with that many warpgroups per CTA, `ctas_per_sm`
-  CTAs per SM and `out_slots` output tiles per warpgroup. `None` takes the
-  measured default of the format (`default_config`).
+  CTAs per SM and `out_slots` output tiles per warpgroup. With
+  `warpgroups=None` every `None` takes the measured default of the format
+  (`default_config`); with an explicit form, 64-row tiles, 2 stages, 2
+  output slots and 1 CTA per SM.
   """
   r, c = x_rc.shape
   block = tuple(block)
   if block not in SUPPORTED_BLOCKS or hadamard not in SUPPORTED_HADAMARD:
     raise NotImplementedError(f"quantize_mgpu: {block=} {hadamard=}")
-  cfg = default_config(block, hadamard)
+  # An explicit form starts from the plain settings, not the format's.
+  cfg = _BASE if warpgroups is not None else default_config(block, hadamard)
+  cfg = dict(cfg)
   given = dict(
     tile_r=tile_r,
     stages=stages,
