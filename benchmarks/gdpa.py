@@ -1,7 +1,8 @@
 """GDPA (G2): our Mosaic GPU kernels vs cuDNN softmax attention and XLA.
 
     PYTHONPATH=. python3 benchmarks/gdpa.py [--out DIR] [--smoke]
-        [--cases cross16,cross64,cross256,pooled] [--phases main,sweep,acts]
+        [--cases cross16,cross64,cross256,pooled]
+        [--phases main[,variants][,acts]] [--budget SECONDS]
 
 D=128, 8 query heads over 2 KV heads (the model's GQA), bf16, in one
 process:
@@ -30,11 +31,15 @@ peak (bf16 matmul) and bandwidth (copy) measured in this process. Goals
 length, forward >= 80% of the roofline. A correctness check against the
 f32 reference (forward and the three gradients) runs first on every case.
 
-Phases: `main` (the above, every case), then `sweep` (our forward, and
-some forward+backward, under other `BlockSizes`, e.g. the pre-pipeline
-`LEGACY` settings, plus the XLA work list + side tiles alone: the part of
-our time that is not the kernel), then `acts` (the other activations).
-Sweep figures go to `$OUT/gdpa_tune.json` only.
+Forward+backward is timed as a training step runs it: the output and the
+three gradients (`fwd_bwd`), so our forward kernel stays in the program.
+
+Phases, in the order given: `main` (the above, every case: all the records
+of `benchmarks/results/gdpa.json`; each program is jitted once per input
+set and checked on the very program timed), `variants` (our forward and
+forward+backward under other settings in one process, the XLA work list +
+side tiles alone, within `--budget` seconds; `$OUT/gdpa_tune.json` only),
+`acts` (our forward with the other activations and tanh forms, recorded).
 """
 
 import argparse
@@ -42,6 +47,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 from benchmarks import smoke
 
@@ -71,6 +77,7 @@ GOALS = {"fwd": 1.6, "fwdbwd": 1.5}
 ROOFLINE_GOAL = 0.8
 MAX_REL_ERR = 2e-2  # vs the f32 reference, forward and gradients
 ACT = "gelu_tanh"
+TANH = "poly"  # the op's default tanh form
 
 
 def capacity(n_rows):
@@ -105,20 +112,47 @@ def xla_activation_attention(q, k, v, kv_lens, name=ACT):
   return o.reshape(b, lq, n, h).astype(q.dtype)
 
 
+def fwd_bwd(attn):
+  """`(q, k, v, do) -> (o, dq, dk, dv)`: a training step's forward and
+  backward, each set's program jitted once (`time_sets` calls it per input
+  set; one jitted callee lowers once for all of them).
+
+  The output is returned, so the forward stays in the timed program: GDPA's
+  backward recomputes the scores from Q and K and needs no forward output,
+  and with the gradients alone (`common.loss_grad`) XLA drops our forward
+  kernel (2 of 3 kernels in the lowered program), which the 2026-11-30
+  and earlier fwd+bwd figures did. cuDNN's backward needs its output, so
+  the baselines were timed whole either way."""
+
+  def f(q, k, v, do):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return (o, *vjp(do))
+
+  return jax.jit(f)
+
+
+def fwd(attn):
+  return jax.jit(lambda q, k, v, do: attn(q, k, v))
+
+
 def measure_ceilings():
   """(bf16 matmul TFLOP/s, copy TB/s read+write) measured here."""
   if SMOKE_SIZES:
     return 1.0, 1.0
-  a = jax.random.normal(jax.random.key(0), (8192, 8192), DTYPE)
-  mm = jax.jit(lambda a: a @ a)
-  peak = 2 * 8192**3 / common.device_time(mm, [(a,)]) / 1e12  # queued
+  ab = [
+    (jax.random.normal(jax.random.key(i), (8192, 8192), DTYPE),)
+    for i in range(2)
+  ]
+  # Queued and rotating inputs, like every other figure (`time_sets`).
+  peak = 2 * 8192**3 / common.time_sets(lambda a: a @ a, ab) / 1e12
   bw = common.copy_bandwidth()
   print(f"ceilings: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s")
   return peak, bw
 
 
-def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
-  """Forward and gradients vs the f32 reference on the first input set."""
+def check(case, ours_fb, q_off, kv_off, sets, max_q, max_kv):
+  """Forward and gradients (`ours_fb`, the timed `fwd_bwd` program) vs
+  the f32 reference on the first input set."""
   q, k, v, do = sets[0]
 
   def ref(q, k, v):
@@ -133,14 +167,10 @@ def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
       max_len_kv=max_kv,
     )
 
-  def fwd_bwd(fn, *args):
-    o, vjp = jax.vjp(fn, *args[:3])
-    return (o, *vjp(args[3]))
-
-  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
+  got = ours_fb(q, k, v, do)
   with jax.default_matmul_precision("highest"):
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(*f32)
+    want = fwd_bwd(ref)(*f32)
   errs = {}
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     errs[name] = common.rel_err(g, w)
@@ -148,17 +178,14 @@ def check(case, ours, q_off, kv_off, sets, max_q, max_kv):
   return errs
 
 
-def run_case(case, q_lens, kv_lens, records, ceilings):
-  """Phase 1: check, then ours and the baselines; returns what the later
-  phases need (None when our kernels failed the check)."""
+def setup(case, q_lens, kv_lens, seed):
+  """Inputs and our op for one case (shared by the phases)."""
   q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
-  max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-  sets = make_sets(q_off, kv_off, seed=len(records) + 1)
+  sets = make_sets(q_off, kv_off, seed)
   q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
-  flops = 4.0 * N * D * float(np.sum(q_lens.astype(np.float64) * kv_lens))
-  bytes_fwd = 2.0 * 2 * (q_off[-1] * N * D + kv_off[-1] * KH * D)
+  max_kv = int(kv_lens.max())
 
-  def ours(q, k, v, activation=ACT, tanh="poly", bs=None):
+  def ours(q, k, v, activation=ACT, tanh=TANH, bs=None):
     # max_len_kv: the caller's bound, which also picks the key tile.
     return gdpa_mosaic(
       q,
@@ -173,15 +200,42 @@ def run_case(case, q_lens, kv_lens, records, ceilings):
       interpret=INTERPRET,
     )
 
-  # Correctness first (see `common.checked`).
+  return dict(
+    case=case,
+    q_lens=q_lens,
+    kv_lens=kv_lens,
+    ours=ours,
+    sets=sets,
+    flops=4.0 * N * D * float(np.sum(q_lens.astype(np.float64) * kv_lens)),
+    bytes_fwd=2.0 * 2 * (q_off[-1] * N * D + kv_off[-1] * KH * D),
+    base={},
+    q_off=q_off_j,
+    kv_off=kv_off_j,
+    t=sets[0][0].shape[0],
+    max_q=int(q_lens.max()),
+    max_kv=max_kv,
+  )
+
+
+def run_main(ctx, records, ceilings):
+  """Phase main: check, then ours and the baselines; False when our
+  kernels failed the check."""
+  case, ours, sets = ctx["case"], ctx["ours"], ctx["sets"]
+  q_lens, kv_lens = ctx["q_lens"], ctx["kv_lens"]
+  max_q, max_kv = ctx["max_q"], ctx["max_kv"]
+  # Correctness first (see `common.checked`), on the program timed below.
+  ours_fb = fwd_bwd(ours)
   errs = common.checked(
     "gdpa",
     case,
-    lambda: check(case, ours, q_off_j, kv_off_j, sets, max_q, max_kv),
+    lambda: check(
+      case, ours_fb, ctx["q_off"], ctx["kv_off"], sets, max_q, max_kv
+    ),
     records,
     MAX_REL_ERR,
   )
   kv_lens_j = jnp.asarray(kv_lens)
+  q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   padded = common.padded_sets(sets, q_off, kv_off, max_q, max_kv)
   cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
 
@@ -191,32 +245,22 @@ def run_case(case, q_lens, kv_lens, records, ceilings):
   runs = []
   if errs is not None:
     runs += [
-      ("mosaic", "fwd", lambda q, k, v, do: ours(q, k, v), sets),
-      ("mosaic", "fwdbwd", common.loss_grad(ours), sets),
+      ("mosaic", "fwd", fwd(ours), sets),
+      ("mosaic", "fwdbwd", ours_fb, sets),
     ]
   for name, fn in (("cudnn", cudnn), ("xla_gelu", xla)):
     runs += [
-      (name, "fwd", lambda q, k, v, do, fn=fn: fn(q, k, v), padded),
-      (name, "fwdbwd", common.loss_grad(fn), padded),
+      (name, "fwd", fwd(fn), padded),
+      (name, "fwdbwd", fwd_bwd(fn), padded),
     ]
-  ctx = dict(
-    case=case,
-    ours=ours,
-    sets=sets,
-    flops=flops,
-    base={},
-    q_off=q_off_j,
-    kv_off=kv_off_j,
-    t=sets[0][0].shape[0],
-    max_kv=max_kv,
-  )
   times = _time_runs(case, runs)
   ctx["base"] = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
   _record_times(ctx, times, records)
   if ("mosaic", "fwd") not in times:
-    return None
+    return False
   peak, bw = ceilings
-  intensity = flops / bytes_fwd  # FLOP per byte
+  flops = ctx["flops"]
+  intensity = flops / ctx["bytes_fwd"]  # FLOP per byte
   roof = min(peak, bw * intensity)  # TFLOP/s
   achieved = flops / times["mosaic", "fwd"] / 1e12
   print(
@@ -237,16 +281,22 @@ def run_case(case, q_lens, kv_lens, records, ceilings):
       ratio=achieved / roof,
     )
   )
-  return ctx if errs is not None else None
+  return errs is not None
 
 
 def _time_runs(case, runs):
   times = {}
   for impl, kind, fn, data in runs:
+    t0 = time.perf_counter()
     try:
       times[impl, kind] = common.time_sets(fn, data)
     except Exception as e:  # e.g. cuDNN rejects a shape
       print(f"{case} {impl} {kind}: {type(e).__name__} {str(e)[:300]}")
+    print(
+      f"  ({case} {impl} {kind}: {time.perf_counter() - t0:.1f} s wall, "
+      "compile included)",
+      flush=True,
+    )
   return times
 
 
@@ -309,42 +359,46 @@ def run_acts(ctx, records, labels):
 
 
 BS = mg.BlockSizes
-# Before the pipeline work (2-deep Q ring, 64-row key tiles, plain output
-# buffer, no split); the deal chunk is now capped by the item count.
-LEGACY = BS(block_kv=64, q_stages=2, full_store=False, kv_split=1)
-SWEEP = {  # case: [(label, block sizes, also forward+backward)]
-  "cross16": [
-    ("legacy", LEGACY, True),
-    ("kv64", BS(block_kv=64), False),
-    ("kv16 q2", BS(block_kv=16, q_stages=2), False),
-    ("kv16 q5 plain", BS(block_kv=16, q_stages=5, full_store=False), False),
-    ("kv32", BS(block_kv=32), False),
-  ],
-  "cross64": [
-    ("legacy", LEGACY, True),
-    ("q4 plain", BS(full_store=False), False),
-    ("kv_stages1", BS(kv_stages=1), False),
-    ("kv32", BS(block_kv=32), False),
-  ],
-  "cross256": [
-    ("legacy", LEGACY, True),
-    ("q4 plain", BS(full_store=False), False),
-    ("kv128 plain", BS(block_kv=128, full_store=False), False),
-  ],
-  "pooled": [
-    ("legacy", LEGACY, True),
-    ("split2", BS(kv_split=2), False),
-    ("split4", BS(kv_split=4), True),
-    ("split4 kv4", BS(kv_split=4, kv_stages=4), False),
-  ],
-}
+FB = ("fwd", "fwdbwd")
+F, FWB = ("fwd",), ("fwdbwd",)
+KV128 = BS(block_kv=128, full_store=False)  # 256 keys stay resident
+# (case, label, ours' keyword arguments, kinds), in the order they matter
+# (the phase stops at its time budget); a case's "default" comes first.
+VARIANTS = [
+  ("cross256", "default", {}, FB),
+  ("cross256", "exact", {"tanh": "exact"}, FB),
+  ("cross16", "default", {}, FB),
+  ("cross16", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
+  ("cross16", "exact", {"tanh": "exact"}, FB),
+  ("cross64", "default", {}, FB),
+  ("cross64", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
+  ("cross64", "exact", {"tanh": "exact"}, F),
+  ("cross256", "kv128 plain", {"bs": KV128}, F),
+  ("cross256", "kv128 plain exact", {"bs": KV128, "tanh": "exact"}, F),
+  ("cross256", "poly_unchecked", {"tanh": "poly_unchecked"}, F),
+  ("cross256", "dkv2", {"bs": BS(dkv_split=2)}, FWB),
+  ("cross256", "dkv_stages3", {"bs": BS(dkv_stages=3)}, FWB),
+  ("pooled", "default", {}, FB),
+  ("pooled", "exact", {"tanh": "exact"}, FB),
+  ("cross16", "plan (XLA)", None, F),
+  ("cross16", "q3", {"bs": BS(q_stages=3)}, F),
+  ("cross16", "plain", {"bs": BS(full_store=False)}, F),
+  ("cross16", "kv32", {"bs": BS(block_kv=32)}, F),
+  ("cross16", "dkv4", {"bs": BS(dkv_split=4)}, FWB),
+  ("cross16", "dkv_stages3", {"bs": BS(dkv_stages=3)}, FWB),
+  ("cross16", "chunk1", {"bs": BS(deal_chunk=1)}, F),
+  ("cross64", "plan (XLA)", None, F),
+  ("cross64", "q3", {"bs": BS(q_stages=3)}, F),
+  ("cross64", "kv32", {"bs": BS(block_kv=32)}, F),
+  ("pooled", "split2", {"bs": BS(kv_split=2)}, F),
+  ("pooled", "split4", {"bs": BS(kv_split=4)}, F),
+  ("pooled", "dkv2", {"bs": BS(dkv_split=2)}, FWB),
+]
 
 
-def run_sweep(ctx, extra):
-  """Phase 2: our forward (and some forward+backward) under other block
-  sizes, and the XLA work list + side tiles alone."""
-  case, ours, sets = ctx["case"], ctx["ours"], ctx["sets"]
-  base = ctx["base"]
+def plan_fn(ctx):
+  """The XLA part of our forward before the kernel: work list and side
+  tiles (`op._query_side` without the kernel)."""
   bkv = mg.kv_block(ctx["max_kv"])
 
   def plan(q, k, v, do):
@@ -358,26 +412,47 @@ def run_sweep(ctx, extra):
       jmg.side_tiles(v, ctx["kv_off"], bkv),
     )
 
-  runs = [("plan", "fwd", plan)]
-  for label, bs, bwd in SWEEP.get(case, []):
-    op = lambda q, k, v, bs=bs: ours(q, k, v, bs=bs)  # noqa: E731
-    runs.append((label, "fwd", lambda q, k, v, do, op=op: op(q, k, v)))
-    if bwd:
-      runs.append((label, "fwdbwd", common.loss_grad(op)))
-  for label, kind, fn in runs:
-    try:
-      sec = common.time_sets(fn, sets)
-    except Exception as e:  # e.g. shared memory overflow
-      print(f"{case} {label} {kind}: {type(e).__name__} {str(e)[:300]}")
+  return jax.jit(plan)
+
+
+def run_variants(ctxs, extra, deadline, save):
+  """Phase variants: our forward / forward+backward under other settings
+  in one process (`$OUT/gdpa_tune.json`), and the part of our forward that
+  is not the kernel (the plan)."""
+  by_case = {c["case"]: c for c in ctxs}
+  base = {}
+  for case, label, kw, kinds in VARIANTS:
+    ctx = by_case.get(case)
+    if ctx is None:
       continue
-    vs = f" ({base[kind] / sec:.2f}x cuDNN)" if base.get(kind) else ""
-    print(
-      f"{case:12s} sweep {label:14s} {kind:7s} {sec * 1e3:8.3f} ms{vs}",
-      flush=True,
-    )
-    extra.append(
-      {"case": case, "variant": label, "kind": kind, "ms": sec * 1e3}
-    )
+    for kind in kinds:
+      if time.perf_counter() > deadline:
+        print(f"variants: time budget spent, {case} {label} {kind} skipped")
+        continue
+      if kw is None:
+        fn = plan_fn(ctx)
+      else:
+        op = lambda q, k, v, kw=kw, ours=ctx["ours"]: ours(q, k, v, **kw)  # noqa: E731
+        fn = fwd(op) if kind == "fwd" else fwd_bwd(op)
+      t0 = time.perf_counter()
+      try:
+        sec = common.time_sets(fn, ctx["sets"])
+      except Exception as e:  # e.g. shared memory overflow
+        print(f"{case} {label} {kind}: {type(e).__name__} {str(e)[:300]}")
+        continue
+      if label == "default":
+        base[case, kind] = sec
+      ref = base.get((case, kind))
+      vs = f" ({ref / sec:.3f}x default)" if ref else ""
+      print(
+        f"{case:9s} variant {label:18s} {kind:7s} {sec * 1e3:8.4f} ms{vs} "
+        f"[{time.perf_counter() - t0:.1f} s wall]",
+        flush=True,
+      )
+      extra.append(
+        {"case": case, "variant": label, "kind": kind, "ms": sec * 1e3}
+      )
+      save()
 
 
 def main():
@@ -386,10 +461,14 @@ def main():
   parser.add_argument("--cases", default="cross16,cross64,cross256,pooled")
   parser.add_argument(
     "--phases",
-    default="main,sweep,acts",
-    help="main (ours vs baselines), sweep (block sizes), acts (activations)",
+    default="main",
+    help="in this order, of: main (ours vs baselines: every record), "
+    "variants (our settings A/B, $OUT/gdpa_tune.json), acts (activations)",
   )
   parser.add_argument("--acts", default=",".join(ACTS), help="phase acts")
+  parser.add_argument(
+    "--budget", type=float, default=150.0, help="seconds for variants"
+  )
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
   global B, LQ, LMAX, R, CUDNN, INTERPRET, SMOKE_SIZES
@@ -402,11 +481,12 @@ def main():
     KV_LENS, POOLED_Q = (16, 64, 130), 3
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE_SIZES = True
+  start = time.perf_counter()
   print(common.device_name(), jax.__version__, flush=True)
   ceilings = measure_ceilings()
-  phases = args.phases.split(",")
   records, extra, ctxs = [], [], []
   rng = np.random.default_rng(0)
+  path = None
 
   def save():
     # Written after every step: a run cut short keeps what it measured.
@@ -418,7 +498,7 @@ def main():
       )
     return path
 
-  for case in args.cases.split(","):
+  for i, case in enumerate(args.cases.split(",")):
     if case.startswith("cross"):
       kv = int(case[len("cross") :])
       if args.smoke:
@@ -430,19 +510,28 @@ def main():
       kv_lens = common.lognormal_lengths(rng, B, LMAX)
     else:
       raise ValueError(case)
-    ctx = run_case(case, q_lens, kv_lens, records, ceilings)
-    if ctx is not None:
-      ctxs.append(ctx)
-    path = save()
-  if "sweep" in phases:
-    for ctx in ctxs:
-      run_sweep(ctx, extra)
-      save()
-  if "acts" in phases and args.acts:
-    for ctx in ctxs:
-      run_acts(ctx, records, args.acts.split(","))
+    ctxs.append(setup(case, q_lens, kv_lens, seed=i + 1))
+  checked = list(ctxs)
+  for phase in args.phases.split(","):
+    t0 = time.perf_counter()
+    if phase == "main":
+      checked = []
+      for ctx in ctxs:
+        if run_main(ctx, records, ceilings):
+          checked.append(ctx)
+        path = save()
+    elif phase == "variants":
+      run_variants(ctxs, extra, t0 + args.budget, save)
       path = save()
-  print("wrote", path)
+    elif phase == "acts":
+      for ctx in checked:
+        run_acts(ctx, records, args.acts.split(","))
+        path = save()
+    else:
+      raise ValueError(phase)
+    print(f"phase {phase}: {time.perf_counter() - t0:.1f} s", flush=True)
+  path = save()
+  print(f"wrote {path}; {time.perf_counter() - start:.1f} s in all")
 
 
 if __name__ == "__main__":
