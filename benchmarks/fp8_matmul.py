@@ -19,7 +19,9 @@ Hadamard, as a fraction of the copy bandwidth measured here).
 
 Timing: each measurement is the median over 7 repeats of 10 back-to-back
 calls (inputs rotated between two sets), so launch gaps overlap; see
-`_time`.
+`_time`. The memory-bound kernels (quantize, compared with the copy
+bandwidth) queue 30 calls per repeat, as the copy itself is timed: with 10,
+a batch's fixed overhead (~70 us on the H200) adds ~7 us to a 60 us call.
 """
 
 import argparse

@@ -49,11 +49,17 @@ tiles need `r % 128 == 0` (else 64-row tiles are used). Shared memory:
 the Hadamard matrix only when one is applied (a smaller footprint lets more
 programs share an SM, which is what hides the memory latency here).
 
-Measured on the H200 at 16384 x 4096 (`_DEFAULTS` below, .notes/fp8.md):
-1x128 at 0.82 of the copy bandwidth, 1x128 + H128 at 0.82 (the grid form:
-0.80 and 0.69; the Hadamard form gains most from the shared matrix, as the
-wgmma work, ~17 us per SM under ~49 us of memory time, is spread over four
-workers instead of two).
+Measured on the H200 (`benchmarks/fp8_matmul.py`, .notes/fp8.md; fraction
+of the copy bandwidth, 30 queued calls): 1x128 0.80 / 0.84 at 16384 x 4096 /
+65536 x 2048 in the final run (0.82 in the sweep; 0.76 when timed right
+after a burst of GEMMs), 1x128 + H128 0.69 / 0.82 (0.82 in the sweep); the
+grid form 0.78-0.80 and 0.69. The Hadamard form gains most from the ring,
+as its wgmma work (~17 us per SM under ~49 us of memory time) is spread
+over four workers instead of two programs. Its 0.69 at 16384 came right
+after the matmul benchmarks; the same configuration measured 0.82 in a
+fresh process and 0.82 at 65536 x 2048 later in the same run (cause not
+pinned down: clocks were not recorded). Spread of these figures: +-5%,
+that one excepted.
 """
 
 import functools
@@ -70,7 +76,7 @@ TILE_R = 64
 TILE_C = 128
 # Default configurations (see `quantize_mgpu`), from the H200 sweep at
 # 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`, .notes/fp8.md;
-# fraction of the copy bandwidth, 30 queued calls):
+# fraction of the copy bandwidth, 30 queued calls, single samples, +-5%):
 #   1x128:        ring, 2 CTAs of 1 warpgroup per SM, 128-row tiles,
 #                 2 stages: 0.82 (grid form 0.80, other rings 0.73-0.80)
 #   1x128 + H128: ring, 1 CTA of 4 warpgroups sharing the Hadamard matrix,
