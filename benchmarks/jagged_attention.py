@@ -109,6 +109,12 @@ def run_case(h, mix, rng, args, records, extra):
 
   padded = common.padded_sets(sets, q_off, kv_off, LMAX, lmax_kv)
   cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
+  # Jitted once: the check and the timed calls (R sets in one jit) reuse one
+  # trace and one lowering of each kernel (compiles dominate a run).
+  ours_fwd = jax.jit(lambda q, k, v, do: ours(q, k, v))
+  ours_grad = jax.jit(common.loss_grad(ours))
+  cudnn_fwd = jax.jit(lambda q, k, v, do: cudnn(q, k, v))
+  cudnn_grad = jax.jit(common.loss_grad(cudnn))
 
   # Correctness at full scale: ours vs cuDNN on the real rows, forward and
   # gradients (see `common.checked`: a failure is recorded, not raised).
@@ -116,10 +122,9 @@ def run_case(h, mix, rng, args, records, extra):
     q, k, v, do = sets[0]
     valid_q = np.arange(LMAX)[None, :] < q_lens[:, None]
     valid_kv = np.arange(lmax_kv)[None, :] < kv_lens[:, None]
-    got = [jax.jit(ours)(q, k, v), *jax.jit(common.loss_grad(ours))(*sets[0])]
+    got = [ours_fwd(*sets[0]), *ours_grad(*sets[0])]
     default_grads[:] = got[1:]  # what the tune variants are checked against
-    want = [jax.jit(cudnn)(*padded[0][:3])]
-    want += jax.jit(common.loss_grad(cudnn))(*padded[0])
+    want = [cudnn_fwd(*padded[0]), *cudnn_grad(*padded[0])]
     errs = {}
     for name, g, w, off, lmax, valid in zip(
       ("o", "dq", "dk", "dv"),
@@ -140,14 +145,10 @@ def run_case(h, mix, rng, args, records, extra):
 
   times = {}
   if errs is not None:
-    times["mosaic", "fwd"] = common.time_sets(
-      lambda q, k, v, do: ours(q, k, v), sets
-    )
-    times["mosaic", "fwdbwd"] = common.time_sets(common.loss_grad(ours), sets)
-  times["cudnn", "fwd"] = common.time_sets(
-    lambda q, k, v, do: cudnn(q, k, v), padded
-  )
-  times["cudnn", "fwdbwd"] = common.time_sets(common.loss_grad(cudnn), padded)
+    times["mosaic", "fwd"] = common.time_sets(ours_fwd, sets)
+    times["mosaic", "fwdbwd"] = common.time_sets(ours_grad, sets)
+  times["cudnn", "fwd"] = common.time_sets(cudnn_fwd, padded)
+  times["cudnn", "fwdbwd"] = common.time_sets(cudnn_grad, padded)
   if not args.quick:
     one = sets[:1]
     times["xla", "fwd"] = common.time_sets(
@@ -232,11 +233,12 @@ def tune(h, case, q_off, kv_off, sets, extra, default_grads):
       return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
 
     try:
-      grads = jax.jit(common.loss_grad(ours))(*sets[0])
+      ours_grad = jax.jit(common.loss_grad(ours))
+      grads = ours_grad(*sets[0])
       err = max(
         common.rel_err(g, w) for g, w in zip(grads, default_grads, strict=True)
       ) if default_grads else float("nan")  # fmt: skip
-      sec = common.time_sets(common.loss_grad(ours), sets)
+      sec = common.time_sets(ours_grad, sets)
     except Exception as e:  # e.g. shared memory overflow
       print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
       continue
@@ -276,25 +278,12 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       causal=False,
     )
     side = [mg.side_tiles(x, kv_off, bs.block_kv) for x in (k, v)]
-    items_dq, side_dq = items, side  # shared when block_kv_dq = block_kv
-    if bs.block_kv_dq != bs.block_kv:
-      items_dq, _ = mg.query_items(
-        q_off,
-        kv_off,
-        t,
-        block_q=bs.block_q,
-        block_kv=bs.block_kv_dq,
-        causal=False,
-      )
-      side_dq = [mg.side_tiles(x, kv_off, bs.block_kv_dq) for x in (k, v)]
     o, lse = mg.forward(q, k, v, *side, items, static)
-    _, delta = mg.backward_dq(q, k, v, *side_dq, o, do, lse, items_dq, static)
+    _, delta = mg.backward_dq(q, k, v, *side, o, do, lse, items, static)
     return dict(
       items=items,
-      items_dq=items_dq,
       items_kv=items_kv,
       side=side,
-      side_dq=side_dq,
       lse=lse,
       delta=delta,
       o=o,
@@ -310,7 +299,7 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
   def t_dq(x, p):  # delta = rowsum(O dO) included
     q, k, v, do = x
     return mg.backward_dq(
-      q, k, v, *p["side_dq"], p["o"], do, p["lse"], p["items_dq"], static
+      q, k, v, *p["side"], p["o"], do, p["lse"], p["items"], static
     )
 
   def t_dkv(x, p):

@@ -140,6 +140,8 @@ class BlockSizes:
       v = getattr(self, f.name)
       if f.name.startswith("block_") and v % 64:
         raise ValueError(f"{f.name}={v} must be a multiple of 64")
+    if self.block_kv % self.block_kv_dq:
+      raise ValueError("block_kv_dq must divide block_kv (dQ reuses its list)")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
     if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
@@ -393,18 +395,25 @@ def _accumulate2(acc1, a1, b1, acc2, a2, b2, interpret, then=None):
   return out[0], out[1]
 
 
-def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
+def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
   """TMA of key/value tile `i` of an item (`(first packed row, _, tiles of
   the sequence's grid, sequence)`) into `dst`: the first and last tile of
   a sequence from its zero-filled side buffer, the others straight from
-  the packed buffer (also GDPA's producer)."""
+  the packed buffer (also GDPA's producer). `split > 1`: the grid and side
+  tiles are `split * bkv` rows and tile `i` is part `i % split` of grid
+  tile `i // split` (the dQ kernel's 64-key steps on the forward's tables).
+  """
   kv_row, _, kv_total, seq = item
-  from_side = (i == 0) | (i == kv_total - 1)
+  big = lax.div(i, split) if split > 1 else i
+  from_side = (big == 0) | (big == kv_total - 1)
 
   @pl.when(from_side)
   def _():
-    which = jnp.where(i == 0, 0, 1)
-    plgpu.copy_gmem_to_smem(side.at[seq, which, :, kv_head], dst, bar)
+    which = jnp.where(big == 0, 0, 1)
+    rows = slice(None)
+    if split > 1:
+      rows = pl.ds(pl.multiple_of(lax.rem(i, split) * bkv, bkv), bkv)
+    plgpu.copy_gmem_to_smem(side.at[seq, which, rows, kv_head], dst, bar)
 
   @pl.when(jnp.logical_not(from_side))
   def _():
@@ -413,8 +422,9 @@ def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head):
 
 
 def _kv_producer(
-  k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head
-):
+  k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head,
+  split=1,
+):  # fmt: skip
   """Producer warpgroup: stream the item's key/value tiles through the ring
   (`load_kv_tile`)."""
   kv_steps = item[1]
@@ -423,7 +433,9 @@ def _kv_producer(
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
+    load_kv_tile(
+      ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head, split
+    )
 
   for i in range(mcs):
 
@@ -829,7 +841,12 @@ def backward_delta(o_tnh, do_tnh, items, static):
 def backward_dq(
   q_tnh, k_skh, v_skh, k_side, v_side, o_tnh, do_tnh, lse, items, static
 ):
-  """(dQ `[t, n, h]`, delta `f32[n, i * 64]`); the forward's item layout.
+  """(dQ `[t, n, h]`, delta `f32[n, i * 64]`) on the forward's work list
+  and side tiles (`block_kv` keys); steps of `block_kv_dq` keys (64 at head
+  dim 128, where a 128-key ring does not fit beside the O/dQ buffers): the
+  step count is recomputed from the key length, and a 64-key tile comes
+  from half of a 128-row side tile. No second work list or side-tile
+  gather is built for the backward.
 
   `delta = rowsum(O * dO)` is formed here from the O and dO tiles before
   the key loop and written out, tile-padded like `lse`, for the dK/dV
@@ -845,6 +862,9 @@ def backward_dq(
   hpc = _heads_per_cta(n, kh)
   bs = static.block_sizes
   bq, bkv, mcs = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
+  split = bs.block_kv // bkv  # dQ steps per forward key tile
+  if k_side.shape[2] != bs.block_kv:
+    raise ValueError("dQ kernel: side tiles must be the forward's")
   num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
@@ -870,9 +890,19 @@ def backward_dq(
     it = lax.axis_index("items")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (q_row, lo, hi, q_pos, kv_row, _, kv_lead, kv_steps, kv_total, seq,
-     tile_id) = _load_query_item(items_ref, it)  # fmt: skip
+    (q_row, lo, hi, q_pos, kv_row, kv_len, kv_lead, kv_steps, kv_total,
+     seq, tile_id) = _load_query_item(items_ref, it)  # fmt: skip
     kv_head = lax.div(hp * hpc, group)
+    kv_grid = kv_total  # the forward's key tiles (side tiles: first, last)
+    if split > 1:  # steps of bkv keys (as `query_items` counts them)
+      kv_total = jnp.where(
+        kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0
+      )
+      kv_steps = kv_total
+      if causal:
+        last = jnp.maximum(q_pos + hi - 1 + kv_lead, 0)
+        kv_steps = jnp.minimum(kv_total, lax.div(last, bkv) + 1)
+      kv_steps = jnp.where(hi > lo, kv_steps, 0)
 
     @pl.when(hi > lo)
     def _work():
@@ -963,10 +993,11 @@ def backward_dq(
           (k_smem, v_smem),
           (k_bar, v_bar),
           (k_free, v_free),
-          (kv_row, kv_steps, kv_total, seq),
+          (kv_row, kv_steps, kv_grid, seq),
           bkv,
           mcs,
           kv_head,
+          split,
         )
 
   scratch = [

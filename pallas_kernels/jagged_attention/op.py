@@ -38,11 +38,9 @@ def _fwd(static, q, k, v, q_off, kv_off):
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
-  # The dQ kernel's too (same block_kv), or the fused backward's (which
+  # The dQ kernel's too (any block_kv_dq), or the fused backward's (which
   # reads no V side tiles: none kept alive for it).
   fwd_tables = (items, k_side, None if bs.fused_bwd else v_side)
-  if not bs.fused_bwd and bs.block_kv_dq != bs.block_kv:
-    fwd_tables = None
   res = (*res_qkv, o, lse, q_off, kv_off, sched.tile_start_b, fwd_tables)
   return o[:t], res
 
@@ -62,7 +60,7 @@ def _bwd(static, res, do):
     mosaic.pad_rows(v),
     mosaic.pad_rows(do),
   )
-  t, s = q.shape[0], k.shape[0]
+  s = k.shape[0]
   items_kv = mg.key_items(
     q_off,
     kv_off,
@@ -82,19 +80,7 @@ def _bwd(static, res, do):
     )
     dq = (dq * static.scale).astype(q.dtype)
     return dq[:t_in], dk[:s_in], dv[:s_in], None, None
-  if fwd_tables is None:  # a dQ key block other than the forward's
-    items_q, _ = mg.query_items(
-      q_off,
-      kv_off,
-      t,
-      block_q=bs.block_q,
-      block_kv=bs.block_kv_dq,
-      causal=static.causal,
-    )
-    k_side = mg.side_tiles(k, kv_off, bs.block_kv_dq)
-    v_side = mg.side_tiles(v, kv_off, bs.block_kv_dq)
-  else:
-    items_q, k_side, v_side = fwd_tables
+  items_q, k_side, v_side = fwd_tables
   dq, delta = mg.backward_dq(
     q, k, v, k_side, v_side, o, do, lse, items_q, static
   )
