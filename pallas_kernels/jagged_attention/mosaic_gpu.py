@@ -86,13 +86,17 @@ dK/dV kernel each consumer owns 64 key rows and accumulates dK/dV over all
 `g` query heads of its KV head before one store: the GQA reduction happens
 inside the kernel (O7). With an odd group the forward/dQ CTAs take one head.
 
-The backward (default, `BlockSizes.fused_bwd`) is a small delta kernel
-(`delta = rowsum(O * dO)`, tile-padded like `lse`) and one fused kernel:
-the dK/dV kernel also forms `dS K` for each (query tile, key tile) pair and
-adds it into an f32 dQ buffer with TMA reduce-add (FlashAttention-3's
-scheme), 5 matmul passes per tile pair; a scale-and-cast pass ends it.
-Unfused, two kernels (dQ, which also forms delta; dK/dV) each recompute
-`S` and `P`: 7 passes. Measured numbers are in .notes/jagged_attention.md.
+The backward at head dim 64 (`BlockSizes.fused_bwd`) is a small delta
+kernel (`delta = rowsum(O * dO)`, tile-padded like `lse`) and one fused
+kernel: the dK/dV kernel also forms `dS K` for each (query tile, key tile)
+pair and adds it into an f32 dQ buffer with TMA reduce-add
+(FlashAttention-3's scheme), 5 matmul passes per tile pair; a
+scale-and-cast pass ends it. At head dim 128 (measured faster there), two
+kernels (dQ, which also forms delta; dK/dV) each recompute `S` and `P`: 7
+passes. In every backward step two wgmmas are in flight per wait
+(`BlockSizes.bwd_pipeline`): `S` and `dP` issued together with the exp
+between, then `dV` and `dK` together with dS's store (and the fused dQ)
+behind them. Measured numbers are in .notes/jagged_attention.md.
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
@@ -149,11 +153,13 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Measured on the H200 (.notes/jagged_attention.md, session 4): the
+    """Measured on the H200 (.notes/jagged_attention.md, sessions 4-5): the
     fused backward is 5% faster than the two-kernel one at head dim 64 and
     7-9% slower at 128, so 128 keeps the dQ kernel (64-key steps: a 128-key
     ring does not fit beside its O/dQ, delta and row-reduction buffers,
-    233.6 KB > 227 KB)."""
+    233.6 KB > 227 KB). The pipelined backward step (`bwd_pipeline`) is
+    8% (D64) / 4% (D128) faster than the serial one; 240/24 registers and
+    the fused own-half dQ measured no better (session 5)."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False)
