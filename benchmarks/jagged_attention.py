@@ -201,25 +201,17 @@ def run_case(h, mix, rng, args, records, extra):
 
 
 # Variants beside each head dim's default (`BlockSizes.default`), timed
-# forward + backward: the backward without `bwd_pipeline` (the default
-# before; two wgmmas per wait now), FA3's 240/24 register split, and the
-# fused backward without the dS exchange (own half's dQ, all columns); at
-# D=128 also the fused backward. Measured before and in the notes: the
-# non-persistent forward, plain dQ staging; at D=128 block_kv 64, a 3-stage
-# ring and dQ key block 128 (slower, over shared memory, over shared
-# memory); at D=64 the unfused backward (5% slower).
+# forward + backward. Left to time: the fused backward at D=128 with the
+# pipelined step (cut from session 5's run), and 240/24 registers at D=64
+# (-1% there, within the spread). Measured (notes, sessions 2-5): the
+# serial backward step (+4% D128, +8% D64), 240/24 registers at D128
+# (+3%), the fused own-half dQ (+21% D128, +8% D64), the non-persistent
+# forward, plain dQ staging; at D=128 block_kv 64, a 3-stage ring and dQ
+# key block 128 (slower, over shared memory, over shared memory); at D=64
+# the unfused backward (5% slower).
 TUNE = {
-  128: [
-    mg.BlockSizes(fused_bwd=False, bwd_pipeline=False),
-    mg.BlockSizes(fused_bwd=False, bwd_registers=240),
-    mg.BlockSizes(dq_exchange=False),
-    mg.BlockSizes(),
-  ],
-  64: [
-    mg.BlockSizes(block_kv_dq=128, bwd_pipeline=False),
-    mg.BlockSizes(block_kv_dq=128, dq_exchange=False),
-    mg.BlockSizes(block_kv_dq=128, bwd_registers=240),
-  ],
+  128: [mg.BlockSizes()],
+  64: [mg.BlockSizes(block_kv_dq=128, bwd_registers=240)],
 }
 
 
