@@ -2,8 +2,9 @@
 
   python benchmarks/report.py
 
-Each benchmark gets its latest table, the device and date it ran on, and the
-command that reproduces it. Only recorded figures appear: nothing here is
+Each benchmark gets its latest table, the device and date(s) it ran on (a
+date column when its records come from runs on different days), and the
+commands that reproduce it. Only recorded figures appear: nothing here is
 typed by hand. A goal is met when `ratio >= goal` (for lower-is-better
 figures, `ratio <= goal`).
 """
@@ -41,7 +42,7 @@ def fmt(v) -> str:
   return str(v)
 
 
-def table(records) -> str:
+def table(records, with_date: bool = False) -> str:
   cols = [
     "case",
     "impl",
@@ -51,7 +52,7 @@ def table(records) -> str:
     "baseline_value",
     "ratio",
     "goal",
-  ]
+  ] + (["date"] if with_date else [])
   lines = [
     "| " + " | ".join(cols + ["met"]) + " |",
     "|" + "---|" * (len(cols) + 1),
@@ -70,14 +71,14 @@ def main() -> None:
       continue
     first = records[0]
     commands = sorted({r["command"] for r in records})
+    dates = sorted({r["date"] for r in records})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     parts.append(f"## {first['benchmark']}\n")
     parts.append(
       f"Device: {first['device']}; jax {first['jax_version']}; "
-      f"{first['date']}. Reproduce: "
-      + ", ".join(f"`{c}`" for c in commands)
-      + "\n"
+      f"{when}. Reproduce: " + ", ".join(f"`{c}`" for c in commands) + "\n"
     )
-    parts.append(table(records) + "\n")
+    parts.append(table(records, with_date=len(dates) > 1) + "\n")
   (HERE.parent / "BENCHMARKS.md").write_text("\n".join(parts))
 
 

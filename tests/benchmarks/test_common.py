@@ -61,3 +61,12 @@ def test_trace_summary_splits_device_time(tmp_path):
     assert all(ms > 0 for _, ms in t["top"])
   assert sum(t["other_ms"] for t in out.values()) > 0
   assert common.trace_summary(tmp_path / "missing", steps=1) == {}
+
+
+def test_table_shows_dates_when_runs_differ():
+  a, b = _rec("x", 1.0), _rec("y", 2.0)
+  a["date"], b["date"] = "2026-11-29", "2026-11-30"
+  header, _, row_a, row_b = report.table([a, b], with_date=True).splitlines()
+  assert header.endswith("| date | met |")
+  assert "| 2026-11-29 |" in row_a and "| 2026-11-30 |" in row_b
+  assert "date" not in report.table([a]).splitlines()[0]
