@@ -116,7 +116,7 @@ def gdpa_mosaic(
   activation: str = "gelu",
   normalize: str | None = None,
   scale: float | None = None,
-  tanh: str = "poly",
+  tanh: str = "exact",
   max_len_q: int | None = None,
   max_len_kv: int | None = None,
   block_sizes: BlockSizes | None = None,
@@ -124,11 +124,11 @@ def gdpa_mosaic(
 ):
   """Mosaic GPU GDPA (Hopper); same contract as the reference.
 
-  `tanh`: `"poly"` (polynomial on its valid range, exact tanh outside),
-  `"poly_unchecked"` (polynomial only: the caller guarantees the range) or
-  `"exact"`; only `activation="gelu_tanh"` uses it. `max_len_kv` also
-  picks the key tile when `block_sizes.block_kv` is None (`mosaic_gpu
-  .kv_block`). `interpret=None`
+  `tanh`: `"exact"` (default), `"poly"` (polynomial on its valid range,
+  exact tanh outside) or `"poly_unchecked"` (polynomial only: the caller
+  guarantees the range); only `activation="gelu_tanh"` uses it.
+  `max_len_kv` also picks the key tile when `block_sizes.block_kv` is None
+  (`mosaic_gpu.kv_block`). `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
   """
@@ -164,7 +164,7 @@ def gdpa_mosaic(
   return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
 
 
-def _reference(q, k, v, q_off, kv_off, *, tanh="poly", **kw):
+def _reference(q, k, v, q_off, kv_off, *, tanh="exact", **kw):
   del tanh  # the reference is exact
   return gdpa_reference(q, k, v, q_off, kv_off, **kw)
 
@@ -182,7 +182,7 @@ def gdpa(
   activation: str = "gelu",
   normalize: str | None = None,
   scale: float | None = None,
-  tanh: str = "poly",
+  tanh: str = "exact",
   max_len_q: int | None = None,
   max_len_kv: int | None = None,
   implementation: str | None = None,
@@ -199,9 +199,10 @@ def gdpa(
     activation: "gelu" (erf), "gelu_tanh" or "silu".
     normalize: None, or "hstu" (divide by the sequence's number of keys).
     scale: score scale, default `h ** -0.5`.
-    tanh: "poly" (degree-6 polynomial where accurate, see `mosaic_gpu`),
-      "poly_unchecked" (polynomial only; the caller bounds the scores) or
-      "exact"; kernels only (the reference is exact).
+    tanh: "exact" (the special function unit's tanh: fastest on the
+      H200, see `mosaic_gpu`), "poly" (degree-6 polynomial where accurate,
+      exact tanh outside) or "poly_unchecked" (polynomial only; the caller
+      bounds the scores); kernels only (the reference is exact).
     max_len_q, max_len_kv: static bounds on one sequence's length (the
       reference pads to them; the kernels only check them).
     implementation: None (Mosaic GPU on a GPU when the shape is supported,

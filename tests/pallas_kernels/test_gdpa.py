@@ -42,12 +42,19 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
     kw_ref = {a: b for a, b in kw.items() if a != "tanh"}
     return gdpa_reference(q, k, v, q_off, kv_off, **bounds, **kw_ref)
 
-  o, vjp = jax.vjp(ours, q, k, v)
-  got = [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+  def fwd_bwd(f):
+    # One jitted program each: op-by-op (eager) dispatch compiled every
+    # small op separately, ~1 minute per case on the H200.
+    def run(q, k, v, do):
+      o, vjp = jax.vjp(f, q, k, v)
+      return (o, *vjp(do))
+
+    return jax.jit(run)
+
+  got = [np.asarray(x, np.float32) for x in fwd_bwd(ours)(q, k, v, do)]
   with jax.default_matmul_precision("highest"):
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    o_r, vjp_r = jax.vjp(ref, *f32[:3])
-    want = [np.asarray(x) for x in (o_r, *vjp_r(f32[3]))]
+    want = [np.asarray(x) for x in fwd_bwd(ref)(*f32)]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     assert np.isfinite(g).all(), name
     err = cases.rel_err(g, w)
@@ -68,9 +75,16 @@ SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
 # Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
 # each key tile's query stream in 3 parts (f32 partials; a sequence with
 # one query tile leaves parts without work, which must write zeros) through
-# a 3-deep (Q, dO) ring.
+# a 3-deep (Q, dO) ring. The forward keeps the next step's QK in flight
+# during the activation (`overlap`).
 NARROW = mg.BlockSizes(
-  num_sms=2, deal_chunk=2, block_kv=16, q_stages=3, dkv_split=3, dkv_stages=3
+  num_sms=2,
+  deal_chunk=2,
+  block_kv=16,
+  q_stages=3,
+  dkv_split=3,
+  dkv_stages=3,
+  overlap=True,
 )
 # Split-K: each query tile's keys in 3 parts (f32 partial outputs), and
 # dK/dV's query stream in 2.
@@ -151,13 +165,14 @@ def test_no_races_interpret():
   # The interpreter's race detector over the forward, dQ and dK/dV kernels:
   # every shared-memory buffer handed back to the producer (K/V and Q
   # rings, resident keys reused across tiles) is ordered before its refill,
-  # with the Q slot handed back early (after its last read) and split keys.
+  # with the Q slot handed back early (after its last read) and split keys,
+  # and the forward's overlapped key loop.
   q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
   q, k, v, do = cases.inputs(
     4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
   bs = mg.BlockSizes(
-    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2
+    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2, overlap=True
   )
   attn = lambda q, k, v: gdpa_mosaic(
     q, k, v, q_off, kv_off, block_sizes=bs, interpret=cases.RACE_PARAMS
