@@ -2,25 +2,27 @@
 
     PYTHONPATH=. python3 benchmarks/gdpa.py [--out DIR] [--smoke]
         [--cases cross16,cross64,cross256,pooled]
-        [--phases main[,variants][,acts]] [--budget SECONDS]
+        [--phases main,xla[,variants][,acts]] [--budget SECONDS]
+        [--variants case:label,...]
 
 D=128, 8 query heads over 2 KV heads (the model's GQA), bf16, in one
 process:
 - cross: B=32 sequences of 2,048 queries over 16, 64 or 256 keys each;
 - pooled: 16 (learned) queries per sequence over log-normal histories
   (median 1,100, sigma 0.6, capped at 2,048).
-Ours is `gdpa(activation="gelu_tanh", tanh="poly", max_len_kv=...)` on the
-packed buffers (schedule, side tiles and deal built inside the timed call;
-`tanh="poly"` evaluates the polynomial with an exact-tanh fallback; the
-caller's key-length bound picks the key tile); the baselines
+Ours is `gdpa(activation="gelu_tanh", max_len_kv=...)` on the packed
+buffers (schedule, side tiles and deal built inside the timed call; the
+default `tanh="exact"`, the hardware tanh, measured faster than the
+polynomial; the caller's key-length bound picks the key tile); the
+baselines
 are cuDNN softmax attention (`jax.nn.dot_product_attention(
 implementation="cudnn")`) on the padded `[B, L]` layout with per-sample
 lengths, and an XLA GELU-attention (two einsums and a GELU) on the same
 padded layout; padded copies are made outside the timed calls. Also timed
-(forward only): our kernels with exact GELU, SiLU, the exact-tanh GELU and
-the unchecked polynomial (`tanh="poly_unchecked"`, the seed's SFU saving;
-its numbers are only a speed figure, since these unit-normal inputs leave
-its range).
+(forward only, phase acts): our kernels with exact GELU, SiLU, the
+polynomial tanh with its fallback and the unchecked polynomial
+(`tanh="poly_unchecked"`, the seed's SFU saving; its numbers are only a
+speed figure, since these unit-normal inputs leave its range).
 
 Useful FLOPs only: `4 n h sum_b Lq_b Lkv_b` forward, 3.5x that forward +
 backward (as in BASELINES.md). Short KV makes these shapes memory-bound,
@@ -34,12 +36,16 @@ f32 reference (forward and the three gradients) runs first on every case.
 Forward+backward is timed as a training step runs it: the output and the
 three gradients (`fwd_bwd`), so our forward kernel stays in the program.
 
-Phases, in the order given: `main` (the above, every case: all the records
-of `benchmarks/results/gdpa.json`; each program is jitted once per input
-set and checked on the very program timed), `variants` (our forward and
-forward+backward under other settings in one process, the XLA work list +
-side tiles alone, within `--budget` seconds; `$OUT/gdpa_tune.json` only),
-`acts` (our forward with the other activations and tanh forms, recorded).
+Phases, in the order given: `main` (the above without the XLA baseline,
+every case; each program is jitted once per input set and checked on the
+very program timed), `xla` (the XLA baseline, every case; `main,xla`, the
+default, writes every record of `benchmarks/results/gdpa.json`),
+`variants` (our forward and forward+backward under other settings in one
+process, each with its difference to the default's outputs, and the XLA
+work list + side tiles alone, within `--budget` seconds, optionally only
+`--variants case:label,...`; after `main` its figures are the defaults';
+`$OUT/gdpa_tune.json` only), `acts` (our forward with the other
+activations and tanh forms, recorded).
 """
 
 import argparse
@@ -77,7 +83,7 @@ GOALS = {"fwd": 1.6, "fwdbwd": 1.5}
 ROOFLINE_GOAL = 0.8
 MAX_REL_ERR = 2e-2  # vs the f32 reference, forward and gradients
 ACT = "gelu_tanh"
-TANH = "poly"  # the op's default tanh form
+TANH = "exact"  # the op's default tanh form
 
 
 def capacity(n_rows):
@@ -217,9 +223,24 @@ def setup(case, q_lens, kv_lens, seed):
   )
 
 
+def run_xla(ctx, records):
+  """Phase main, after every case's main part: the XLA GELU-attention
+  baseline (last, so a run cut short loses only it)."""
+  kv_lens_j = jnp.asarray(ctx["kv_lens"])
+
+  def xla(q, k, v):
+    return xla_activation_attention(q, k, v, kv_lens_j)
+
+  runs = [
+    ("xla_gelu", "fwd", fwd(xla), ctx["padded"]),
+    ("xla_gelu", "fwdbwd", fwd_bwd(xla), ctx["padded"]),
+  ]
+  _record_times(ctx, _time_runs(ctx["case"], runs), records)
+
+
 def run_main(ctx, records, ceilings):
-  """Phase main: check, then ours and the baselines; False when our
-  kernels failed the check."""
+  """Phase main: check, then ours and cuDNN; False when our kernels
+  failed the check."""
   case, ours, sets = ctx["case"], ctx["ours"], ctx["sets"]
   q_lens, kv_lens = ctx["q_lens"], ctx["kv_lens"]
   max_q, max_kv = ctx["max_q"], ctx["max_kv"]
@@ -234,26 +255,22 @@ def run_main(ctx, records, ceilings):
     records,
     MAX_REL_ERR,
   )
-  kv_lens_j = jnp.asarray(kv_lens)
   q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   padded = common.padded_sets(sets, q_off, kv_off, max_q, max_kv)
+  ctx["padded"] = padded
   cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
-
-  def xla(q, k, v):
-    return xla_activation_attention(q, k, v, kv_lens_j)
-
   runs = []
   if errs is not None:
     runs += [
       ("mosaic", "fwd", fwd(ours), sets),
       ("mosaic", "fwdbwd", ours_fb, sets),
     ]
-  for name, fn in (("cudnn", cudnn), ("xla_gelu", xla)):
-    runs += [
-      (name, "fwd", fwd(fn), padded),
-      (name, "fwdbwd", fwd_bwd(fn), padded),
-    ]
+  runs += [
+    ("cudnn", "fwd", fwd(cudnn), padded),
+    ("cudnn", "fwdbwd", fwd_bwd(cudnn), padded),
+  ]
   times = _time_runs(case, runs)
+  ctx["times"] = {k: times.get(("mosaic", k)) for k in ("fwd", "fwdbwd")}
   ctx["base"] = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
   _record_times(ctx, times, records)
   if ("mosaic", "fwd") not in times:
@@ -342,7 +359,7 @@ def _record_times(ctx, times, records):
 ACTS = {  # label: (activation, tanh); forward only
   "mosaic_gelu": ("gelu", "poly"),
   "mosaic_silu": ("silu", "poly"),
-  f"mosaic_{ACT}_exact": (ACT, "exact"),
+  f"mosaic_{ACT}_poly": (ACT, "poly"),
   f"mosaic_{ACT}_poly_unchecked": (ACT, "poly_unchecked"),
 }
 
@@ -366,20 +383,22 @@ KV128 = BS(block_kv=128, full_store=False)  # 256 keys stay resident
 # (the phase stops at its time budget); a case's "default" comes first.
 VARIANTS = [
   ("cross256", "default", {}, FB),
-  ("cross256", "exact", {"tanh": "exact"}, FB),
+  ("cross256", "poly", {"tanh": "poly"}, FB),
   ("cross16", "default", {}, FB),
   ("cross16", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
-  ("cross16", "exact", {"tanh": "exact"}, FB),
+  ("cross16", "poly", {"tanh": "poly"}, FB),
+  ("cross16", "overlap", {"bs": BS(overlap=True)}, F),
   ("cross64", "default", {}, FB),
   ("cross64", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
-  ("cross64", "exact", {"tanh": "exact"}, F),
+  ("cross64", "poly", {"tanh": "poly"}, F),
+  ("cross64", "overlap", {"bs": BS(overlap=True)}, F),
+  ("cross256", "overlap", {"bs": BS(overlap=True)}, F),
   ("cross256", "kv128 plain", {"bs": KV128}, F),
-  ("cross256", "kv128 plain exact", {"bs": KV128, "tanh": "exact"}, F),
   ("cross256", "poly_unchecked", {"tanh": "poly_unchecked"}, F),
   ("cross256", "dkv2", {"bs": BS(dkv_split=2)}, FWB),
   ("cross256", "dkv_stages3", {"bs": BS(dkv_stages=3)}, FWB),
   ("pooled", "default", {}, FB),
-  ("pooled", "exact", {"tanh": "exact"}, FB),
+  ("pooled", "poly", {"tanh": "poly"}, FB),
   ("cross16", "plan (XLA)", None, F),
   ("cross16", "q3", {"bs": BS(q_stages=3)}, F),
   ("cross16", "plain", {"bs": BS(full_store=False)}, F),
@@ -415,17 +434,22 @@ def plan_fn(ctx):
   return jax.jit(plan)
 
 
-def run_variants(ctxs, extra, deadline, save):
+def run_variants(ctxs, extra, deadline, save, only=None):
   """Phase variants: our forward / forward+backward under other settings
-  in one process (`$OUT/gdpa_tune.json`), and the part of our forward that
-  is not the kernel (the plan)."""
+  in one process (`$OUT/gdpa_tune.json`), each with its largest relative
+  difference to the default's outputs on the first input set, and the part
+  of our forward that is not the kernel (the plan)."""
   by_case = {c["case"]: c for c in ctxs}
-  base = {}
+  base, outs = {}, {}
   for case, label, kw, kinds in VARIANTS:
     ctx = by_case.get(case)
-    if ctx is None:
+    if ctx is None or (only and f"{case}:{label}" not in only):
       continue
     for kind in kinds:
+      if ctx.get("times", {}).get(kind) and label == "default":
+        # Timed by phase main in this process: its figure is the base.
+        base[case, kind] = ctx["times"][kind]
+        continue
       if time.perf_counter() > deadline:
         print(f"variants: time budget spent, {case} {label} {kind} skipped")
         continue
@@ -440,10 +464,22 @@ def run_variants(ctxs, extra, deadline, save):
       except Exception as e:  # e.g. shared memory overflow
         print(f"{case} {label} {kind}: {type(e).__name__} {str(e)[:300]}")
         continue
+      diff = ""
+      if kw is not None:  # output (or gradients) vs the default's
+        got = jax.tree.leaves(fn(*ctx["sets"][0]))
+        if label == "default":
+          outs[case, kind] = got
+        if (case, kind) not in outs:  # the default's, from phase main
+          run = fwd if kind == "fwd" else fwd_bwd
+          outs[case, kind] = jax.tree.leaves(run(ctx["ours"])(*ctx["sets"][0]))
+        want = outs.get((case, kind))
+        if want is not None:
+          err = max(map(common.rel_err, got, want))
+          diff = f" diff {err:.1e}"
       if label == "default":
         base[case, kind] = sec
       ref = base.get((case, kind))
-      vs = f" ({ref / sec:.3f}x default)" if ref else ""
+      vs = f" ({ref / sec:.3f}x default){diff}" if ref else diff
       print(
         f"{case:9s} variant {label:18s} {kind:7s} {sec * 1e3:8.4f} ms{vs} "
         f"[{time.perf_counter() - t0:.1f} s wall]",
@@ -461,13 +497,17 @@ def main():
   parser.add_argument("--cases", default="cross16,cross64,cross256,pooled")
   parser.add_argument(
     "--phases",
-    default="main",
-    help="in this order, of: main (ours vs baselines: every record), "
+    default="main,xla",
+    help="in this order, of: main (ours vs cuDNN), xla (the XLA baseline, "
+    "after main: main and xla give every record), "
     "variants (our settings A/B, $OUT/gdpa_tune.json), acts (activations)",
   )
   parser.add_argument("--acts", default=",".join(ACTS), help="phase acts")
   parser.add_argument(
     "--budget", type=float, default=150.0, help="seconds for variants"
+  )
+  parser.add_argument(
+    "--variants", default="", help="case:label,... (default: all)"
   )
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
@@ -520,8 +560,14 @@ def main():
         if run_main(ctx, records, ceilings):
           checked.append(ctx)
         path = save()
+    elif phase == "xla":
+      for ctx in ctxs:
+        if "padded" in ctx:
+          run_xla(ctx, records)
+          path = save()
     elif phase == "variants":
-      run_variants(ctxs, extra, t0 + args.budget, save)
+      only = args.variants.split(",") if args.variants else None
+      run_variants(ctxs, extra, t0 + args.budget, save, only)
       path = save()
     elif phase == "acts":
       for ctx in checked:
