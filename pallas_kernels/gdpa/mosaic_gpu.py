@@ -99,7 +99,10 @@ Work split. Forward and dQ: grid `(n // hpc, w)` persistent CTAs, `hpc`
 plus one producer. dK/dV: one CTA per (128-row key tile, KV head), two
 consumers of 64 key rows each, streaming the (Q, dO) tiles of all `g`
 query heads of the KV head: the GQA reduction happens inside the kernel
-(O7). Interpret mode (CPU) runs the same kernels; see
+(O7). Short keys give few key tiles (cross-attention: one per sequence),
+so each tile's query stream is cut into `dkv_parts` parts, one CTA each,
+adding f32 partials (XLA sums them). Interpret mode (CPU) runs the same
+kernels; see
 `pallas_kernels.mosaic.accumulate` for its one substitution.
 """
 
@@ -144,7 +147,11 @@ class BlockSizes:
   kv_split: int | None = None  # key parts per query tile (split-K)
   full_store: bool = True  # whole output tiles leave via a swizzled buffer
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
-  overlap: bool = False  # forward: next step's QK during the activation
+  # Forward: next step's QK in flight during the activation. Off: H200
+  # cross256 0.2097 vs 0.1670 ms without (2026-11-30): the two consumer
+  # warpgroups already interleave wgmma and activation, and the extra QK
+  # and per-step waits cost more than the overlap gains.
+  overlap: bool = False
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   num_sms: int = 132  # H200; persistent CTAs = about this many
@@ -318,7 +325,9 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
   (cross-attention over 16-64 keys: one tile per sequence, 2 x 32 CTAs on
   132 SMs); cutting each tile's query stream into parts, each writing an
   f32 partial that XLA adds, fills the chip. The real tiles are about
-  `max(seqs, kv_rows / 128)` (static estimate)."""
+  `max(seqs, kv_rows / 128)` (static estimate). H200, B=32 x 2,048
+  queries over 16 keys: forward+backward 0.315 ms with 2 parts (auto) vs
+  0.384 ms with 1 (2026-11-30)."""
   if bs.dkv_split is not None:
     return bs.dkv_split
   tiles = max(seqs, kv_rows // DKV_ROWS, 1)
