@@ -185,7 +185,7 @@ def run_case(mix, rng, records, bw):
   ):
     for kind, f in (
       ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
-      ("fwdbwd", common.loss_grad(fn)),
+      ("fwdbwd", common.fwd_bwd(fn)),
     ):
       try:
         times[name, kind] = common.time_sets(f, args)
@@ -278,18 +278,14 @@ def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):
   q, k, v, do = sets[0]
   off_j = jnp.asarray(off)
 
-  def fwd_bwd(fn, q, k, v, do):
-    o, vjp = jax.vjp(fn, q, k, v)
-    return (o, *vjp(do))
-
   def ref(q, k, v):
     return block_attention_reference(
       q, k, v, off_j, block=BLOCK, rope=THETA, max_len=LMAX
     )
 
-  got = jax.jit(lambda *a: fwd_bwd(ours, *a))(q, k, v, do)
+  got = jax.jit(common.fwd_bwd(ours))(q, k, v, do)
   with jax.default_matmul_precision("highest"):
-    want = jax.jit(lambda *a: fwd_bwd(ref, *a))(
+    want = jax.jit(common.fwd_bwd(ref))(
       *(x.astype(jnp.float32) for x in (q, k, v, do))
     )
   errs = {

@@ -119,22 +119,10 @@ def xla_activation_attention(q, k, v, kv_lens, name=ACT):
 
 
 def fwd_bwd(attn):
-  """`(q, k, v, do) -> (o, dq, dk, dv)`: a training step's forward and
-  backward, each set's program jitted once (`time_sets` calls it per input
-  set; one jitted callee lowers once for all of them).
-
-  The output is returned, so the forward stays in the timed program: GDPA's
-  backward recomputes the scores from Q and K and needs no forward output,
-  and with the gradients alone (`common.loss_grad`) XLA drops our forward
-  kernel (2 of 3 kernels in the lowered program), which the 2026-11-30
-  and earlier fwd+bwd figures did. cuDNN's backward needs its output, so
-  the baselines were timed whole either way."""
-
-  def f(q, k, v, do):
-    o, vjp = jax.vjp(attn, q, k, v)
-    return (o, *vjp(do))
-
-  return jax.jit(f)
+  """`common.fwd_bwd` (output and gradients, so our forward stays in the
+  timed program), jitted once: `time_sets` calls it per input set, and one
+  jitted callee lowers once for all of them."""
+  return jax.jit(common.fwd_bwd(attn))
 
 
 def fwd(attn):

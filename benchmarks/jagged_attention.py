@@ -112,9 +112,9 @@ def run_case(h, mix, rng, args, records, extra):
   # Jitted once: the check and the timed calls (R sets in one jit) reuse one
   # trace and one lowering of each kernel (compiles dominate a run).
   ours_fwd = jax.jit(lambda q, k, v, do: ours(q, k, v))
-  ours_grad = jax.jit(common.loss_grad(ours))
+  ours_fb = jax.jit(common.fwd_bwd(ours))
   cudnn_fwd = jax.jit(lambda q, k, v, do: cudnn(q, k, v))
-  cudnn_grad = jax.jit(common.loss_grad(cudnn))
+  cudnn_fb = jax.jit(common.fwd_bwd(cudnn))
 
   # Correctness at full scale: ours vs cuDNN on the real rows, forward and
   # gradients (see `common.checked`: a failure is recorded, not raised).
@@ -122,9 +122,9 @@ def run_case(h, mix, rng, args, records, extra):
     q, k, v, do = sets[0]
     valid_q = np.arange(LMAX)[None, :] < q_lens[:, None]
     valid_kv = np.arange(lmax_kv)[None, :] < kv_lens[:, None]
-    got = [ours_fwd(*sets[0]), *ours_grad(*sets[0])]
+    got = list(ours_fb(*sets[0]))
     default_grads[:] = got[1:]  # what the tune variants are checked against
-    want = [cudnn_fwd(*padded[0]), *cudnn_grad(*padded[0])]
+    want = list(cudnn_fb(*padded[0]))
     errs = {}
     for name, g, w, off, lmax, valid in zip(
       ("o", "dq", "dk", "dv"),
@@ -146,15 +146,15 @@ def run_case(h, mix, rng, args, records, extra):
   times = {}
   if errs is not None:
     times["mosaic", "fwd"] = common.time_sets(ours_fwd, sets)
-    times["mosaic", "fwdbwd"] = common.time_sets(ours_grad, sets)
+    times["mosaic", "fwdbwd"] = common.time_sets(ours_fb, sets)
   times["cudnn", "fwd"] = common.time_sets(cudnn_fwd, padded)
-  times["cudnn", "fwdbwd"] = common.time_sets(cudnn_grad, padded)
+  times["cudnn", "fwdbwd"] = common.time_sets(cudnn_fb, padded)
   if not args.quick:
     one = sets[:1]
     times["xla", "fwd"] = common.time_sets(
       lambda q, k, v, do: ref(q, k, v), one, 5
     )
-    times["xla", "fwdbwd"] = common.time_sets(common.loss_grad(ref), one, 5)
+    times["xla", "fwdbwd"] = common.time_sets(common.fwd_bwd(ref), one, 5)
 
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0
@@ -225,12 +225,12 @@ def tune(h, case, q_off, kv_off, sets, extra, default_grads):
       return jagged_attention_mosaic(q, k, v, q_off, kv_off, block_sizes=bs)
 
     try:
-      ours_grad = jax.jit(common.loss_grad(ours))
-      grads = ours_grad(*sets[0])
+      ours_fb = jax.jit(common.fwd_bwd(ours))
+      grads = ours_fb(*sets[0])[1:]
       err = max(
         common.rel_err(g, w) for g, w in zip(grads, default_grads, strict=True)
       ) if default_grads else float("nan")  # fmt: skip
-      sec = common.time_sets(ours_grad, sets)
+      sec = common.time_sets(ours_fb, sets)
     except Exception as e:  # e.g. shared memory overflow
       print(f"{case} {bs} {kind}: {type(e).__name__} {str(e)[:200]}")
       continue

@@ -70,3 +70,29 @@ def test_table_shows_dates_when_runs_differ():
   assert header.endswith("| date | met |")
   assert "| 2026-11-29 |" in row_a and "| 2026-11-30 |" in row_b
   assert "date" not in report.table([a]).splitlines()[0]
+
+
+def test_fwd_bwd_keeps_the_forward_kernel():
+  # Block attention's backward recomputes its scores from Q and K and saves
+  # no output, so with the gradients alone JAX drops the forward kernel
+  # (one Mosaic kernel lowered instead of two) and a "fwd+bwd" time would
+  # be the backward's. Lowered for CUDA on CPU, abstract shapes only.
+  import jax
+  import jax.numpy as jnp
+  from jax import export
+
+  from pallas_kernels.block_attention.op import block_attention_mosaic
+
+  spec = jax.ShapeDtypeStruct
+  q = spec((256, 2, 128), jnp.bfloat16)
+  offsets = spec((3,), jnp.int32)
+
+  def program(q, k, v, do, offsets):
+    attn = lambda q, k, v: block_attention_mosaic(
+      q, k, v, offsets, rope=1e4, max_len=256, interpret=False
+    )
+    return common.fwd_bwd(attn)(q, k, v, do)
+
+  lowered = export.export(jax.jit(program), platforms=["cuda"])
+  module = lowered(q, q, q, q, offsets).mlir_module()
+  assert module.count("custom_call @mosaic_gpu") == 2  # forward, backward
