@@ -147,11 +147,6 @@ class BlockSizes:
   kv_split: int | None = None  # key parts per query tile (split-K)
   full_store: bool = True  # whole output tiles leave via a swizzled buffer
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
-  # Forward: next step's QK in flight during the activation. Off: H200
-  # cross256 0.2097 vs 0.1670 ms without (2026-11-30): the two consumer
-  # warpgroups already interleave wgmma and activation, and the extra QK
-  # and per-step waits cost more than the overlap gains.
-  overlap: bool = False
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   num_sms: int = 132  # H200; persistent CTAs = about this many
@@ -496,7 +491,6 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   per_worker = wt.shape[1]
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
-  overlap = bs.overlap and not is_dq
 
   def kernel(*refs):
     (wt_ref, count_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref) = refs[:7]
@@ -530,84 +524,6 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
       cols = (W_QROW, W_LO, W_HI, W_STEPS, W_REUSE, W_RELEASE)
       cols += (W_KVLEN,) * hstu + (W_PART,) * (parts > 1)
-
-      def overlapped(acc, base, steps, q_tile, slot, reuse, release, mult):
-        """The forward's key loop (`steps >= 1`) with step i+1's QK in
-        flight while step i's activation runs: step i issues QK(i+1) into
-        a second accumulator, computes its activation, issues PV(i) and
-        waits for both. The ring slot of step i is handed back at the end
-        of step i, so a consumer holds at most two slots (i, i+1): with a
-        2-deep ring, keeping PV(i) in flight into step i+1 would hold slot
-        i while waiting for tile i+2 in the same slot, a deadlock. The
-        last step repeats its own QK (there is no next key tile): one
-        extra 64 x block_kv x h product per tile instead of a conditional
-        issue."""
-
-        def kv_slot(i):
-          return lax.rem(base + i, mcs)
-
-        def wait_kv(i):
-          @pl.when(jnp.logical_not(reuse))
-          def _():
-            plgpu.barrier_wait(kv_bar.at[kv_slot(i)])
-
-        def probs(x):
-          p = act(x * scale, name, tanh)
-          return (p * mult if hstu else p).astype(dtype)
-
-        def keys_t(i):
-          return k_smem.at[kv_slot(i)].transpose((1, 0))
-
-        def free_kv(i):
-          @pl.when(release)
-          def _():
-            mosaic.release(kv_free.at[kv_slot(i)])
-
-        wait_kv(0)
-        x0 = mosaic.matmul(q_tile, keys_t(0), (bq, bkv))
-
-        def wait_next(i):
-          @pl.when(i + 1 < steps)
-          def _():
-            wait_kv(i + 1)
-
-          return jnp.minimum(i + 1, steps - 1)
-
-        def step_interpret(i, carry):
-          # Same waits and releases in the same order, synchronous.
-          acc, x = carry
-          nxt = wait_next(i)
-          x_next = mosaic.matmul(q_tile, keys_t(nxt), (bq, bkv))
-          acc = acc + jnp.dot(
-            probs(x), v_smem.at[kv_slot(i)][...],
-            preferred_element_type=jnp.float32,
-          )  # fmt: skip
-          free_kv(i)
-          return acc, x_next
-
-        if static.interpret is not None:
-          acc, _ = lax.fori_loop(0, steps, step_interpret, (acc, x0))
-          mosaic.release(q_free.at[slot])
-          return acc
-
-        def run(acc_ref):
-          def step(i, x):
-            nxt = wait_next(i)
-
-            def inner(s_ref):
-              plgpu.wgmma(s_ref, q_tile, keys_t(nxt))
-              # The activation runs while QK(i + 1) is in flight.
-              plgpu.wgmma(acc_ref, probs(x), v_smem.at[kv_slot(i)])
-              return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-
-            x_next = pl.run_scoped(inner, plgpu.ACC((bq, bkv), jnp.float32))
-            free_kv(i)
-            return x_next
-
-          lax.fori_loop(0, steps, step, x0)
-          mosaic.release(q_free.at[slot])
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
 
       def body(j, carry):
         loads, cur = carry[0], dict(zip(cols, carry[1:], strict=True))
@@ -667,16 +583,12 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
           return acc
 
-        if overlap:
-          acc = lax.cond(
-            steps > 0,
-            lambda acc: overlapped(acc, base, steps, q_tile, slot, reuse,
-                                   release, mult if hstu else None),
-            lambda acc: acc,
-            acc,
-          )  # fmt: skip
-        else:
-          acc = lax.fori_loop(0, steps, step, acc)
+        # (Tried, 2026-11-30: issuing the next step's QK into a second
+        # accumulator while this step's activation runs. On the H200 at 256
+        # keys it ran 0.2097 vs 0.1670 ms: the two consumer warpgroups
+        # already interleave one's wgmmas with the other's activation, and
+        # the extra QK and per-step waits cost more than the overlap won.)
+        acc = lax.fori_loop(0, steps, step, acc)
 
         @pl.when(steps == 0)
         def _():

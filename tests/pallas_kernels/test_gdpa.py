@@ -75,16 +75,9 @@ SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
 # Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
 # each key tile's query stream in 3 parts (f32 partials; a sequence with
 # one query tile leaves parts without work, which must write zeros) through
-# a 3-deep (Q, dO) ring. The forward keeps the next step's QK in flight
-# during the activation (`overlap`).
+# a 3-deep (Q, dO) ring.
 NARROW = mg.BlockSizes(
-  num_sms=2,
-  deal_chunk=2,
-  block_kv=16,
-  q_stages=3,
-  dkv_split=3,
-  dkv_stages=3,
-  overlap=True,
+  num_sms=2, deal_chunk=2, block_kv=16, q_stages=3, dkv_split=3, dkv_stages=3
 )
 # Split-K: each query tile's keys in 3 parts (f32 partial outputs), and
 # dK/dV's query stream in 2.
@@ -165,14 +158,13 @@ def test_no_races_interpret():
   # The interpreter's race detector over the forward, dQ and dK/dV kernels:
   # every shared-memory buffer handed back to the producer (K/V and Q
   # rings, resident keys reused across tiles) is ordered before its refill,
-  # with the Q slot handed back early (after its last read) and split keys,
-  # and the forward's overlapped key loop.
+  # with the Q slot handed back early (after its last read) and split keys.
   q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
   q, k, v, do = cases.inputs(
     4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
   bs = mg.BlockSizes(
-    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2, overlap=True
+    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2
   )
   attn = lambda q, k, v: gdpa_mosaic(
     q, k, v, q_off, kv_off, block_sizes=bs, interpret=cases.RACE_PARAMS
