@@ -205,7 +205,7 @@ def run_case(h, mix, rng, args, records, extra):
 # pipelined step (cut from session 5's run), and 240/24 registers at D=64
 # (-1% there, within the spread). Measured (notes, sessions 2-5): the
 # serial backward step (+4% D128, +8% D64), 240/24 registers at D128
-# (+3%), the fused own-half dQ (+21% D128, +8% D64), the non-persistent
+# (+3%), the fused own-half dQ (+21% D128, +8% D64; removed), the non-persistent
 # forward, plain dQ staging; at D=128 block_kv 64, a 3-stage ring and dQ
 # key block 128 (slower, over shared memory, over shared memory); at D=64
 # the unfused backward (5% slower).

@@ -132,7 +132,6 @@ class BlockSizes:
   fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
   dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
   # memory: the wgmma-layout store hits one bank octet per 8 rows)
-  dq_exchange: bool = True  # fused: dS halves shared (`backward_dkv`)
   bwd_pipeline: bool = True  # backward: two wgmmas in flight per wait
   # (`_two_matmuls`, `_accumulate2`)
   bwd_registers: int = 232  # backward consumers' registers (the producer
@@ -1083,9 +1082,10 @@ def backward_dkv(
   while the other may still read step `j`'s; step `j+2` waits for the
   barrier of `j+1`, which the other passes only after its step-`j` dQ.
   That barrier holds the two consumers in step (a producer stall or one
-  warpgroup's softmax stops both). `dq_exchange=False` drops it: each
-  consumer adds its own half's `dS^T[w]^T K[w]` over all columns (64 at a
-  time through its staging buffer), twice the reduce traffic.
+  warpgroup's softmax stops both). Dropping it, each consumer adding its
+  own half's `dS^T[w]^T K[w]` over all columns (twice the reduce
+  traffic), measured slower on the H200 (log-normal fwd+bwd 1.882 vs
+  1.557 ms at D=128, 1.024 vs 0.945 at D=64, 2026-11-30) and was removed.
   Key rows outside the tile's sequence must be zero here (else `dS K`
   picks up other sequences' keys): a sequence's first and last key tile
   come from the forward's zero-filled side tiles `k_side` (same 128-row
@@ -1252,22 +1252,6 @@ def backward_dkv(
         def add_dq(j, head, tile, ds16):
           """dQ of this step's query tile from both halves' dS."""
           rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
-          if not bs.dq_exchange:
-            # Own half only, all columns: no barrier, twice the reduce
-            # traffic. The buffer is free again: this warpgroup's last
-            # wgmma reading it has completed.
-            ds_own = ds_smem.at[0, wg]
-            ds_own[...] = ds16
-            plgpu.commit_smem()
-            for part in range(h // 64):
-              cols = pl.ds(part * 64, 64)
-              dq_part = mosaic.matmul(
-                ds_own.transpose((1, 0)),
-                k_smem2.at[wg].at[:, cols],
-                (bq, 64),
-              )
-              reduce_add(dq_part, rows, head, cols)
-            return
           buf = lax.rem(j, 2)
           ds_smem.at[buf, wg][...] = ds16
           plgpu.commit_smem()
@@ -1370,7 +1354,7 @@ def backward_dkv(
   args = [items, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
   if fused:
     scratch += [
-      mosaic.smem_tile((2 if bs.dq_exchange else 1, wgs, bkv, bq), dtype),
+      mosaic.smem_tile((2, wgs, bkv, bq), dtype),
       plgpu.SMEM(
         (wgs, bq, 64),
         jnp.float32,

@@ -97,7 +97,7 @@ SELF_LENS = [70, 0, 1, 130, 9]
   [
     mg.BlockSizes(num_sms=1),
     mg.BlockSizes(num_sms=1, bwd_pipeline=False, bwd_registers=240),
-    mg.BlockSizes(dq_swizzle=False, dq_exchange=False),
+    mg.BlockSizes(dq_swizzle=False),
     mg.BlockSizes(fused_bwd=False, block_kv_dq=128, num_sms=1),
     mg.BlockSizes(
       fused_bwd=False, block_kv_dq=64, persistent=False, bwd_pipeline=False
@@ -106,7 +106,7 @@ SELF_LENS = [70, 0, 1, 130, 9]
   ids=[
     "fused",
     "fused-serial",
-    "fused-plain-own-half",
+    "fused-plain",
     "dq128",
     "dq64-per-item-serial",
   ],
@@ -115,8 +115,8 @@ def test_causal_self_attention_interpret(block_sizes):
   # Default: persistent forward (with one SM, one CTA walks every item: Q
   # prefetch, K/V ring and output stores run across item boundaries) and
   # the fused backward (dQ by reduce-add from the dK/dV kernel; its f32
-  # staging swizzled or plain; dS halves exchanged between the consumers,
-  # or each adding its own half's dQ; by default two wgmmas per wait, dQ
+  # staging swizzled or plain; dS halves exchanged between the consumers;
+  # by default two wgmmas per wait, dQ
   # queued behind dV and dK, or one at a time: "serial"). The unfused
   # backward's dQ kernel with 128-key steps reuses the forward's work list
   # and side tiles, with 64 it builds its own; one forward CTA per item.
