@@ -113,6 +113,33 @@ def produce_ring(total, stages: int, free, issue):
     plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
+def tile_ring(num_steps, stages: int, fetch, body, carry=()):
+  """A warpgroup's own TMA ring over `num_steps` (dynamic) tiles, with no
+  producer warpgroup (compare `produce_ring`): the first `stages` fetches
+  are issued up front, then step `j` runs `body(j, slot, refill, carry)`,
+  which waits for its tile (the barrier is the caller's) and calls
+  `refill()` once it has read the slot; that issues fetch `j + stages`
+  into the same slot, if there is one. `fetch(j, slot)` starts the TMA of
+  tile `j`. Returns the carry."""
+  for j in range(stages):
+
+    @pl.when(j < num_steps)
+    def _(j=j):
+      fetch(j, j)
+
+  def step(j, carry):
+    slot = lax.rem(j, stages)
+
+    def refill():
+      @pl.when(j + stages < num_steps)
+      def _():
+        fetch(j + stages, slot)
+
+    return body(j, slot, refill, carry)
+
+  return lax.fori_loop(0, num_steps, step, carry)
+
+
 def aligned(row):
   """Tell Mosaic a packed row index is a multiple of 8 (tiled TMA)."""
   return pl.multiple_of(row, ALIGN)

@@ -70,6 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fmt
 
 TILE_R = 64
@@ -81,26 +82,19 @@ TILE_C = 128
 #                 2 stages: 0.82 (grid form 0.80, other rings 0.73-0.80)
 #   1x128 + H128: ring, 1 CTA of 4 warpgroups sharing the Hadamard matrix,
 #                 1 stage, 2 output slots: 0.82 (grid form 0.69)
-#   32x32:        grid form, 64-row tiles, 2 stages: 0.73 (ring 0.72)
+#   32x32:        grid form, 64-row tiles, 2 stages (`_BASE`): 0.73
+#                 (ring 0.72)
 # `warpgroups=0` is the grid form.
-_DEFAULTS = {
-  ((1, 128), False): dict(
-    warpgroups=1, ctas_per_sm=2, tile_r=128, stages=2, out_slots=2
-  ),
-  ((1, 128), True): dict(
-    warpgroups=4, ctas_per_sm=1, tile_r=64, stages=1, out_slots=2
-  ),
-  ((32, 32), False): dict(warpgroups=0, tile_r=64, stages=2),
-  ((32, 32), True): dict(warpgroups=0, tile_r=64, stages=2),
-}
-
-
 _BASE = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
+_DEFAULTS = {
+  ((1, 128), False): dict(warpgroups=1, ctas_per_sm=2, tile_r=128),
+  ((1, 128), True): dict(warpgroups=4, stages=1),
+}
 
 
 def default_config(block, hadamard) -> dict:
   """The measured default keywords of `quantize_mgpu` for this format."""
-  return {**_BASE, **_DEFAULTS[tuple(block), hadamard is not None]}
+  return {**_BASE, **_DEFAULTS.get((tuple(block), hadamard is not None), {})}
 
 
 SUPPORTED_BLOCKS = ((32, 32), (1, 128))
@@ -318,14 +312,7 @@ def _ring_kernel(
       in_bar.at[wg * stages + slot],
     )
 
-  for i in range(stages):
-
-    @pl.when(i < num_steps)
-    def _(i=i):
-      fetch(i, i)
-
-  def step_fn(step, carry):
-    slot = lax.rem(step, stages)
+  def step_fn(step, slot, refill, carry):
     out = lax.rem(step, slots)
     rt, ct = coords(step)
     plgpu.barrier_wait(in_bar.at[wg * stages + slot])
@@ -346,10 +333,7 @@ def _ring_kernel(
     # The slot is read (registers or a finished wgmma): once every thread
     # is past its reads, refill it with the tile `stages` steps ahead.
     plgpu.commit_smem()
-
-    @pl.when(step + stages < num_steps)
-    def _():
-      fetch(step + stages, slot)
+    refill()
 
     # The stores issued `slots` steps ago from this output slot must have
     # read it (one bulk group per step).
@@ -383,7 +367,7 @@ def _ring_kernel(
     )
     return carry
 
-  lax.fori_loop(0, num_steps, step_fn, ())
+  mosaic.tile_ring(num_steps, stages, fetch, step_fn)
   plgpu.wait_smem_to_gmem(0)
 
 

@@ -100,6 +100,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fp8_format
 
 H200_NUM_SMS = 132
@@ -504,15 +505,7 @@ def _pipeline(
     return (first + step * stride) * m
 
   def run_ring(body, carry):
-    s = cfg.stages
-    for i in range(s):
-
-      @pl.when(i < num_steps)
-      def _(i=i):
-        fetch(i, i)
-
-    def step_fn(step, carry):
-      slot = lax.rem(step, s)
+    def step_fn(step, slot, refill, carry):
       plgpu.barrier_wait(barrier.at[slot])
       ins = [r.at[slot] for r in in_smem]
 
@@ -521,14 +514,10 @@ def _pipeline(
 
       row0 = row0_of(step)
       carry = body(row0, load, store_fn(step, row0), carry)
-
-      @pl.when(step + s < num_steps)
-      def _():
-        fetch(step + s, slot)
-
+      refill()
       return carry
 
-    carry = lax.fori_loop(0, num_steps, step_fn, carry)
+    carry = mosaic.tile_ring(num_steps, cfg.stages, fetch, step_fn, carry)
     plgpu.wait_smem_to_gmem(0)
     return carry
 

@@ -109,7 +109,9 @@ def test_rms_norm_with_residual(d):
   _lowers_for_cuda(fwd_bwd, x, g, x, kernels=2)  # forward, backward
 
 
-@pytest.mark.parametrize("block,hadamard", [((32, 32), 32), ((1, 128), None)])
+@pytest.mark.parametrize(
+  "block,hadamard", [((32, 32), 32), ((1, 128), None), ((1, 128), 128)]
+)
 def test_fp8_quantize(block, hadamard):
   f = lambda x: quantize_mgpu.quantize_mgpu(
     x, block=block, hadamard=hadamard, interpret=False
