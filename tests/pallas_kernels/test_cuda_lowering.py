@@ -119,12 +119,18 @@ def test_fp8_quantize(block, hadamard):
   _lowers_for_cuda(f, _spec((16384, 4096)), kernels=1)
 
 
+@pytest.mark.parametrize("m,k,n", [(16384, 4096, 4096), (65536, 512, 2048)])
+@pytest.mark.parametrize("op_default", [False, True])
 @pytest.mark.parametrize("kb", [32, 128])
-def test_fp8_matmul(kb):
-  m, n, k = 16384, 4096, 4096
+def test_fp8_matmul(kb, op_default, m, k, n):
+  """Plain tiles and the op's default (at kb=128 a 2-CTA cluster); at the
+  short k the per-tile pipelines are chained."""
   f8 = jnp.float8_e4m3fn
+  bs = matmul_mgpu.BlockSizes()
+  if op_default:
+    bs = matmul_mgpu.default_block_sizes(kb)
   f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
-    a, sa, b, sb, kb=kb, interpret=False
+    a, sa, b, sb, kb=kb, block_sizes=bs, interpret=False
   )
   _lowers_for_cuda(
     f,

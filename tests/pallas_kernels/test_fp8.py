@@ -537,10 +537,14 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
 
 
 @pytest.mark.parametrize(
-  "kb,ablk,bblk,bs",
+  "kb,ablk,bblk,bs,k",
   [
-    (32, (32, 32), (32, 32), _B()),
-    (128, (1, 128), (128, 128), _B()),
+    (32, (32, 32), (32, 32), _B(), 256),
+    (128, (1, 128), (128, 128), _B(), 256),
+    # Whole rings per tile and two tiles per program: the pipelines of one
+    # program's tiles are chained (the next tile's fetches start early).
+    (128, (1, 128), (128, 128), _B(max_concurrent_steps=2), 512),
+    (32, (32, 32), (32, 32), _B(max_concurrent_steps=2), 256),
     # op.py's default for this test's f32 output: 64 x 256 CTA tiles in
     # 2-CTA clusters along M (multicast weights), weight scale folded into
     # the row scales, 3 stages.
@@ -549,14 +553,15 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
       (1, 128),
       (128, 128),
       matmul_mgpu.default_block_sizes(128, jnp.float32),
+      384,  # chained: 3 steps per tile in a 3-stage ring
     ),
     # Two block products in flight per warpgroup.
-    (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2)),
-    (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N)),
+    (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2), 256),
+    (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N), 256),
   ],
 )
-def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs):
-  m, n, k = 256, 256, 256
+def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
+  m, n = 256, 256
   a = _data(jax.random.key(29), (m, k))
   b = _data(jax.random.key(30), (n, k))
   av, as_ = ref.quantize_reference(a, block=ablk)
