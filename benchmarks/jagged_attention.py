@@ -201,18 +201,17 @@ def run_case(h, mix, rng, args, records, extra):
 
 
 # Variants beside each head dim's default (`BlockSizes.default`), timed
-# forward + backward. Left to time: the fused backward at D=128 with the
-# pipelined step (cut from session 5's run), and 240/24 registers at D=64
-# (-1% there, within the spread). Measured (notes, sessions 2-5): the
-# serial backward step (+4% D128, +8% D64), 240/24 registers at D128
-# (+3%), the fused own-half dQ (+21% D128, +8% D64; removed), the non-persistent
+# forward + backward; none left to time. Measured (notes, sessions 2-6):
+# one CTA per item in the backward kernels (+3.7% D128, +0.9% D64; now
+# always persistent), the fused backward at D128 (+23% with both
+# persistent), at D64 a ready/free dS hand-off, the dQ zero fill inside
+# the delta kernel (both no change; removed) and a 3-stage backward ring
+# (+2.5%), the serial backward step (+4% D128, +8% D64), 240/24 registers
+# (+3% D128, -1% D64), the fused own-half dQ (removed), the non-persistent
 # forward, plain dQ staging; at D=128 block_kv 64, a 3-stage ring and dQ
 # key block 128 (slower, over shared memory, over shared memory); at D=64
 # the unfused backward (5% slower).
-TUNE = {
-  128: [mg.BlockSizes()],
-  64: [mg.BlockSizes(block_kv_dq=128, bwd_registers=240)],
-}
+TUNE = {128: [], 64: []}
 
 
 def tune(h, case, q_off, kv_off, sets, extra, default_grads):
@@ -245,10 +244,11 @@ def tune(h, case, q_off, kv_off, sets, extra, default_grads):
 
 
 def breakdown(h, case, q_off, kv_off, sets, times, extra):
-  """Kernel-only times: the forward, dQ and dK/dV kernels with prebuilt
-  work lists and side tiles, the fused backward's delta and dK/dV+dQ
-  kernels (the latter with its f32 dQ buffer's zero fill), and the XLA
-  pieces around them."""
+  """Kernel-only times of the head dim's default: the forward kernel with
+  prebuilt work lists and side tiles, then the dQ and dK/dV kernels, or
+  the fused backward's delta and dK/dV+dQ kernels (the latter with its f32
+  dQ buffer's zero fill) and the fill and a scale-and-cast alone, and the
+  XLA pieces around them."""
   bs = mg.BlockSizes.default(h)
   static = mg._Static(
     causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
@@ -309,6 +309,13 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static, p["side"][0]
     )
 
+  def t_fill(x, p):
+    q = x[0]
+    return jnp.zeros((q.shape[0] + bs.block_q, *q.shape[1:]), jnp.float32)
+
+  def t_cast(x, p):
+    return (x[0].astype(jnp.float32) * 0.125).astype(x[0].dtype)
+
   def t_sched(x, p):
     q, k, v, _ = x
     items, _ = mg.query_items(
@@ -317,16 +324,25 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
     side = [mg.side_tiles(z, kv_off, bs.block_kv) for z in (k, v)]
     return items, side
 
-  for name, fn in [
-    ("fwd_kernel", t_fwd),
-    ("dq_kernel_with_delta", t_dq),
-    ("dkv_kernel", t_dkv),
-    ("fused_delta_kernel", t_delta),
-    ("fused_dkv_dq_kernel_with_zero_fill", t_fused),
-    ("fwd_schedule_and_side_tiles", t_sched),
-  ]:
-    sec = common.time_sets(fn, full)  # fn(x, p) per (inputs, prebuilt) pair
-    print(f"{case:16s} {name:34s} {sec * 1e3:8.3f} ms", flush=True)
+  # The default backward's kernels only (the other's are in the notes).
+  parts = [("fwd_kernel", t_fwd)]
+  if bs.fused_bwd:
+    parts += [
+      ("fused_delta_kernel", t_delta),
+      ("fused_dkv_dq_kernel_with_zero_fill", t_fused),
+      ("fused_dq_zero_fill", t_fill),
+      ("fused_dq_cast_like", t_cast),
+    ]
+  else:
+    parts += [("dq_kernel_with_delta", t_dq), ("dkv_kernel", t_dkv)]
+  parts.append(("fwd_schedule_and_side_tiles", t_sched))
+  for name, fn in parts:
+    try:
+      sec = common.time_sets(fn, full)  # fn(x, p) per (inputs, prebuilt)
+    except Exception as e:
+      print(f"{case} {name}: {type(e).__name__} {str(e)[:300]}", flush=True)
+      continue
+    print(f"{case:16s} {name:40s} {sec * 1e3:8.3f} ms", flush=True)
     extra.append({"case": case, "part": name, "ms": sec * 1e3})
 
 

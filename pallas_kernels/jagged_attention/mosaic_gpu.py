@@ -22,11 +22,11 @@ spend most CTAs on tiles past short sequences' ends. Instead
 `pallas_kernels.schedule` lists, on device inside `jit`, only the non-empty
 (sequence, 64-row tile) items, longest first (the hardware block scheduler
 then runs the long tiles of a 2K sequence first on separate SMs: greedy LPT).
-The forward runs about one persistent CTA per SM, each walking its share of
-the (query tile, pair of query heads) items dealt zig-zag from that list, so
-the next item's Q and K/V load while the current one finishes; the unfused
-dQ kernel runs one CTA per item; the dK/dV kernel one CTA per (128-row key
-tile, KV head).
+Every kernel but the small delta one runs about one persistent CTA per SM,
+each walking its share of the items dealt zig-zag from that list (the
+forward and dQ kernels: (query tile, pair of query heads); the dK/dV
+kernel: (128-row key tile, KV head)), so the next item's tiles load while
+the current one finishes and its stores drain while the next computes.
 
 Boundaries by zero-fill, not masks (G1). On CUDA, Triton gives each
 sequence its own TMA descriptor whose bounds are the sequence's ends, so the
@@ -152,13 +152,15 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Measured on the H200 (.notes/jagged_attention.md, sessions 4-5): the
+    """Measured on the H200 (.notes/jagged_attention.md, sessions 4-6): the
     fused backward is 5% faster than the two-kernel one at head dim 64 and
-    7-9% slower at 128, so 128 keeps the dQ kernel (64-key steps: a 128-key
-    ring does not fit beside its O/dQ, delta and row-reduction buffers,
-    233.6 KB > 227 KB). The pipelined backward step (`bwd_pipeline`) is
-    8% (D64) / 4% (D128) faster than the serial one; 240/24 registers and
-    the fused own-half dQ measured no better (session 5)."""
+    7-9% slower at 128 (23% slower with both persistent, session 6), so 128
+    keeps the dQ kernel (64-key steps: a 128-key ring does not fit beside
+    its O/dQ, delta and row-reduction buffers, 233.6 KB > 227 KB). The
+    pipelined backward step (`bwd_pipeline`) is 8% (D64) / 4% (D128)
+    faster than the serial one; 240/24 registers and the fused own-half dQ
+    measured no better (session 5); a 3-stage backward ring is 2.5% slower
+    at D64 and does not fit the D128 dQ kernel (233,584 > 232,448 B)."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False)
@@ -426,47 +428,6 @@ def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
     plgpu.copy_gmem_to_smem(ref.at[rows, kv_head], dst, bar)
 
 
-def _kv_producer(
-  k_ref, v_ref, side_k, side_v, smem, bars, free, item, bkv, mcs, kv_head,
-  split=1,
-):  # fmt: skip
-  """Producer warpgroup: stream the item's key/value tiles through the ring
-  (`load_kv_tile`)."""
-  kv_steps = item[1]
-  k_smem, v_smem = smem
-  k_bar, v_bar = bars
-  k_free, v_free = free
-
-  def issue(ref, side, dst, bar, i, slot):
-    load_kv_tile(
-      ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head, split
-    )
-
-  for i in range(mcs):
-
-    @pl.when(i < kv_steps)
-    def _(i=i):
-      issue(k_ref, side_k, k_smem, k_bar, i, i)
-      issue(v_ref, side_v, v_smem, v_bar, i, i)
-
-  @pl.loop(0, kv_steps - mcs)
-  def _(i):
-    j = i + mcs
-    slot = lax.rem(i, mcs)
-    plgpu.barrier_wait(k_free.at[slot])
-    issue(k_ref, side_k, k_smem, k_bar, j, slot)
-    plgpu.barrier_wait(v_free.at[slot])
-    issue(v_ref, side_v, v_smem, v_bar, j, slot)
-
-  # Observe the last releases too, so every barrier phase is consumed before
-  # the CTA exits (the interpreter checks this; on the GPU it costs nothing).
-  @pl.loop(jnp.maximum(kv_steps - mcs, 0), kv_steps)
-  def _(i):
-    slot = lax.rem(i, mcs)
-    plgpu.barrier_wait(k_free.at[slot])
-    plgpu.barrier_wait(v_free.at[slot])
-
-
 def _kv_stream(
   k_ref,
   v_ref,
@@ -480,19 +441,23 @@ def _kv_stream(
   mcs,
   kv_head,
   base,
+  split=1,
 ):
-  """Producer of the persistent forward: stream one item's key/value tiles
-  into the ring, continuing its global step count `base` (the ring runs on
-  across items, so the next item's first tiles load while the consumers
-  finish the current one). Slot `g % mcs` of global step `g` is reused once
-  its consumers release it (steps `g >= mcs`)."""
+  """Producer of the persistent forward and dQ kernels: stream one item's
+  key/value tiles into the ring, continuing its global step count `base`
+  (the ring runs on across items, so the next item's first tiles load
+  while the consumers finish the current one). Slot `g % mcs` of global
+  step `g` is reused once its consumers release it (steps `g >= mcs`).
+  `split`: as in `load_kv_tile`."""
   kv_steps = item[1]
   k_smem, v_smem = smem
   k_bar, v_bar = bars
   k_free, v_free = free
 
   def issue(ref, side, dst, bar, i, slot):
-    load_kv_tile(ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head)
+    load_kv_tile(
+      ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head, split
+    )
 
   @pl.loop(0, kv_steps)
   def _(i):
@@ -520,6 +485,35 @@ def forward_workers(num_items: int, hpc_groups: int, bs: BlockSizes) -> int:
   return schedule.persistent_workers(hpc_groups, bs.num_sms, num_items)
 
 
+def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
+  """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
+  turns per CTA) for a kernel over `items` (columns 1-2: valid rows; items
+  without valid rows come last). Persistent: about `num_sms` CTAs over all
+  `groups`, each walking the longest-first list dealt zig-zag
+  (`schedule.deal`); otherwise one CTA per item."""
+  num_items = items.shape[0]
+  real = items[:, 2] > items[:, 1]
+  if not persistent:
+    dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    return num_items, dealt, real.astype(jnp.int32)
+  workers = schedule.persistent_workers(groups, bs.num_sms, num_items)
+  num_real = jnp.sum(real).astype(jnp.int32)
+  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  return workers, dealt, counts
+
+
+def _observe_releases(total, mcs, free_bars):
+  """A producer observes the consumers' last releases (global steps
+  `[total - mcs, total)`), so every barrier phase is consumed before the
+  CTA exits (the interpreter checks this; on the GPU it costs nothing)."""
+
+  @pl.loop(jnp.maximum(total - mcs, 0), total)
+  def _(g):
+    slot = lax.rem(g, mcs)
+    for free in free_bars:
+      plgpu.barrier_wait(free.at[slot])
+
+
 def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   """Returns (o `[t, n, h]`, lse `f32[n, i * block_q]` tile-padded, log2).
 
@@ -542,13 +536,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
-  workers = forward_workers(num_items, n // hpc, bs)
-  if bs.persistent:
-    num_real = jnp.sum(items[:, 2] > items[:, 1]).astype(jnp.int32)
-    dealt, counts = schedule.deal(num_items, num_real, workers, 1)
-  else:
-    dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
-    counts = (items[:, 2] > items[:, 1]).astype(jnp.int32)
+  workers, dealt, counts = _deal_items(items, n // hpc, bs.persistent, bs)
 
   def kernel(
     items_ref,
@@ -750,14 +738,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         return base + kv_steps
 
       total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-
-      # Observe the last releases too, so every barrier phase is consumed
-      # before the CTA exits (the interpreter checks this).
-      @pl.loop(jnp.maximum(total - mcs, 0), total)
-      def _(g):
-        slot = lax.rem(g, mcs)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+      _observe_releases(total, mcs, (k_free, v_free))
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
@@ -855,10 +836,19 @@ def backward_dq(
 
   `delta = rowsum(O * dO)` is formed here from the O and dO tiles before
   the key loop and written out, tile-padded like `lse`, for the dK/dV
-  kernel: no separate pass over O and dO. The O tile arrives in the plain
-  buffer that later stages dQ (same shape and dtype), so it costs no shared
-  memory. Its rows outside the sequence hold other rows' sums (finite);
-  every consumer multiplies them by `P = 0`.
+  kernel: no separate pass over O and dO. Its rows outside the sequence
+  hold other rows' sums (finite); every consumer multiplies them by
+  `P = 0`.
+
+  Persistent, like the forward: about 132 CTAs over the head pairs walk
+  the dealt item list (`_deal_items`); the producer's K/V ring runs on
+  across items, the consumers load the next item's Q, dO, O and lse right
+  after the item's last `S`/`dP` wgmmas (O and lse were consumed at the
+  item's start), and the dQ and delta stores drain while the next item
+  computes. O has its own buffer (not dQ's staging), so the next O lands
+  during the last step and the epilogue. Measured on the H200 at D128
+  log-normal (kernel alone, 2026-11-30): 0.504 ms vs 0.532 with one CTA
+  per item (-5%).
   """
   t, n, h = q_tnh.shape
   _, kh, _ = k_skh.shape
@@ -873,9 +863,12 @@ def backward_dq(
   num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
+  workers, dealt, counts = _deal_items(items, n // hpc, True, bs)
 
   def kernel(
     items_ref,
+    deal_ref,
+    count_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -888,109 +881,144 @@ def backward_dq(
     delta_ref,
     *scratch,
   ):
-    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem) = scratch[:6]
-    # Plain buffer: the O tile before the key loop, dQ's staging after it.
-    out_smem2 = scratch[6]
-    (in_bar, k_bar, v_bar, k_free, v_free) = scratch[7:]
-    it = lax.axis_index("items")
+    (q_smem2, do_smem2, o_smem2, lse_smem2, delta_smem2) = scratch[:5]
+    (k_smem, v_smem, out_smem2) = scratch[5:8]
+    (in_bar, k_bar, v_bar, k_free, v_free) = scratch[8:]
+    w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (q_row, lo, hi, q_pos, kv_row, kv_len, kv_lead, kv_steps, kv_total,
-     seq, tile_id) = _load_query_item(items_ref, it)  # fmt: skip
     kv_head = lax.div(hp * hpc, group)
-    kv_grid = kv_total  # the forward's key tiles (side tiles: first, last)
-    if split > 1:  # steps of bkv keys (as `query_items` counts them)
-      kv_total = jnp.where(
-        kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0
-      )
-      kv_steps = kv_total
-      if causal:
-        last = jnp.maximum(q_pos + hi - 1 + kv_lead, 0)
-        kv_steps = jnp.minimum(kv_total, lax.div(last, bkv) + 1)
-      kv_steps = jnp.where(hi > lo, kv_steps, 0)
+    n_items = count_ref[w]
 
-    @pl.when(hi > lo)
-    def _work():
-      @pl.when(wg < hpc)
-      def _compute():
-        regs = bs.bwd_registers if hpc == 2 else 240
-        plgpu.set_max_registers(regs, action="increase")
-        head = hp * hpc + wg
-        q_smem = q_smem2.at[wg]
-        do_smem = do_smem2.at[wg]
-        out_smem = out_smem2.at[wg]
-        lse_smem = lse_smem2.at[wg]
-        delta_smem = delta_smem2.at[wg]
-        bar = in_bar.at[wg]
-        rows = pl.ds(mosaic.aligned(q_row), bq)
-        pad = pl.ds(tile_id * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
-        plgpu.copy_gmem_to_smem(o_ref.at[rows, head], out_smem, bar)
-        plgpu.copy_gmem_to_smem(lse_ref.at[head, pad], lse_smem, bar)
+    def item(j):
+      """Fields of the CTA's j-th item, its key steps (0 without valid
+      rows) and the forward's key tiles of its sequence."""
+      it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
+      fields = _load_query_item(items_ref, it)
+      (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total, _, _) = fields
+      hi_lo = hi > lo
+      if split > 1:  # steps of bkv keys (as `query_items` counts them)
+        kv_steps = jnp.where(
+          kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0
+        )
+        if causal:
+          last = jnp.maximum(q_pos + hi - 1 + kv_lead, 0)
+          kv_steps = jnp.minimum(kv_steps, lax.div(last, bkv) + 1)
+      return fields, hi_lo, jnp.where(hi_lo, kv_steps, 0), kv_total
+
+    @pl.when(wg < hpc)
+    def _compute():
+      regs = bs.bwd_registers if hpc == 2 else 240
+      plgpu.set_max_registers(regs, action="increase")
+      head = hp * hpc + wg
+      q_smem = q_smem2.at[wg]
+      do_smem = do_smem2.at[wg]
+      o_smem = o_smem2.at[wg]
+      out_smem = out_smem2.at[wg]
+      lse_smem = lse_smem2.at[wg]
+      delta_smem = delta_smem2.at[wg]
+      bar = in_bar.at[wg]
+
+      def load_in(j):
+        """Item j's Q, dO, O and lse tiles; issued once the previous item
+        has read its own (last S / dP wgmma)."""
+        (q_row, *_, tile_id), _, _, _ = item(j)
+
+        @pl.when(j < n_items)
+        def _():
+          plgpu.commit_smem()  # order earlier reads before the TMA writes
+          rows = pl.ds(mosaic.aligned(q_row), bq)
+          pad = pl.ds(tile_id * bq, bq)
+          plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem, bar)
+          plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem, bar)
+          plgpu.copy_gmem_to_smem(o_ref.at[rows, head], o_smem, bar)
+          plgpu.copy_gmem_to_smem(lse_ref.at[head, pad], lse_smem, bar)
+
+      load_in(0)
+
+      def body(j, base):
+        fields, hi_lo, kv_steps, _ = item(j)
+        (q_row, lo, hi, q_pos, _, _, kv_lead, _, _, _, tile_id) = fields
         plgpu.barrier_wait(bar)
-        lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        wgmma = plgpu.Layout.WGMMA
-        o_tile = plgpu.load(out_smem, layout=wgmma).astype(jnp.float32)
-        do_tile = plgpu.load(do_smem, layout=wgmma).astype(jnp.float32)
-        delta = (o_tile * do_tile).sum(axis=1)
-        delta_smem[...] = delta
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(delta_smem, delta_ref.at[head, pad])
-        dq = plgpu.layout_cast(
-          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
-        )
 
-        def step(i, dq, masked: bool):
-          slot = lax.rem(i, mcs)
-
-          def probs(s):
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
-            if masked:
-              q_at = mosaic.iota((bq, bkv), 0) + q_pos
-              k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
-              p = mosaic.select(q_at >= k_at, p, 0.0)
-            return p
-
-          plgpu.barrier_wait(k_bar.at[slot])
-          k_t = k_smem.at[slot].transpose((1, 0))
-          v_t = v_smem.at[slot].transpose((1, 0))
-          if bs.bwd_pipeline:  # dP's wgmma runs during the exp
-            plgpu.barrier_wait(v_bar.at[slot])
-            p, dp = _two_matmuls(
-              q_smem, k_t, do_smem, v_t, (bq, bkv), probs, static.interpret
-            )
-          else:
-            p = probs(mosaic.matmul(q_smem, k_t, (bq, bkv)))
-            plgpu.barrier_wait(v_bar.at[slot])
-            dp = mosaic.matmul(do_smem, v_t, (bq, bkv))
-          mosaic.release(v_free.at[slot])
-          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-          dq = mosaic.accumulate(
-            dq, ds.astype(dtype), k_smem.at[slot], static.interpret
+        @pl.when(hi_lo)
+        def _work():
+          pad = pl.ds(tile_id * bq, bq)
+          lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+          wgmma = plgpu.Layout.WGMMA
+          o_tile = plgpu.load(o_smem, layout=wgmma).astype(jnp.float32)
+          do_tile = plgpu.load(do_smem, layout=wgmma).astype(jnp.float32)
+          delta = (o_tile * do_tile).sum(axis=1)
+          # The previous item's stores must have read delta's and dQ's
+          # buffers.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          delta_smem[...] = delta
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(delta_smem, delta_ref.at[head, pad])
+          dq = plgpu.layout_cast(
+            jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
           )
-          mosaic.release(k_free.at[slot])
-          return dq
 
-        dq = _key_loop(step, dq, kv_steps, causal, q_pos + lo + kv_lead, bkv)
-        # dQ leaves through a plain (unswizzled) buffer that the ladder store
-        # can slice at any row.
-        out_smem[...] = (dq * static.scale).astype(dtype)
-        plgpu.commit_smem()
-        mosaic.ladder_store(
-          out_smem,
-          lambda r, size: dq_ref.at[pl.ds(q_row + r, size), head],
-          lo,
-          hi - lo,
-          bq,
-        )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          def step(i, dq, masked: bool):
+            slot = lax.rem(base + i, mcs)
 
-      @pl.when(wg == hpc)
-      def _memory():
-        regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
-        plgpu.set_max_registers(regs, action="decrease")
-        _kv_producer(
+            def probs(s):
+              p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+              if masked:
+                q_at = mosaic.iota((bq, bkv), 0) + q_pos
+                k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
+                p = mosaic.select(q_at >= k_at, p, 0.0)
+              return p
+
+            plgpu.barrier_wait(k_bar.at[slot])
+            k_t = k_smem.at[slot].transpose((1, 0))
+            v_t = v_smem.at[slot].transpose((1, 0))
+            if bs.bwd_pipeline:  # dP's wgmma runs during the exp
+              plgpu.barrier_wait(v_bar.at[slot])
+              p, dp = _two_matmuls(
+                q_smem, k_t, do_smem, v_t, (bq, bkv), probs, static.interpret
+              )
+            else:
+              p = probs(mosaic.matmul(q_smem, k_t, (bq, bkv)))
+              plgpu.barrier_wait(v_bar.at[slot])
+              dp = mosaic.matmul(do_smem, v_t, (bq, bkv))
+            mosaic.release(v_free.at[slot])
+            # Last read of this item's Q and dO: fetch the next item's.
+            pl.when(i == kv_steps - 1)(lambda: load_in(j + 1))
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            dq = mosaic.accumulate(
+              dq, ds.astype(dtype), k_smem.at[slot], static.interpret
+            )
+            mosaic.release(k_free.at[slot])
+            return dq
+
+          dq = _key_loop(step, dq, kv_steps, causal, q_pos + lo + kv_lead, bkv)
+          # dQ leaves through a plain (unswizzled) buffer that the ladder
+          # store can slice at any row.
+          out_smem[...] = (dq * static.scale).astype(dtype)
+          plgpu.commit_smem()
+          mosaic.ladder_store(
+            out_smem,
+            lambda r, size: dq_ref.at[pl.ds(q_row + r, size), head],
+            lo,
+            hi - lo,
+            bq,
+          )
+
+        pl.when(kv_steps == 0)(lambda: load_in(j + 1))  # no key loop
+        return base + kv_steps
+
+      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == hpc)
+    def _memory():
+      regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
+      plgpu.set_max_registers(regs, action="decrease")
+
+      def body(j, base):
+        fields, _, kv_steps, kv_grid = item(j)
+        _kv_stream(
           k_ref,
           v_ref,
           ks_ref,
@@ -998,14 +1026,20 @@ def backward_dq(
           (k_smem, v_smem),
           (k_bar, v_bar),
           (k_free, v_free),
-          (kv_row, kv_steps, kv_grid, seq),
+          (fields[4], kv_steps, kv_grid, fields[9]),
           bkv,
           mcs,
           kv_head,
+          base,
           split,
         )
+        return base + kv_steps
+
+      total = lax.fori_loop(0, n_items, body, jnp.int32(0))
+      _observe_releases(total, mcs, (k_free, v_free))
 
   scratch = [
+    mosaic.smem_tile((hpc, bq, h), dtype),
     mosaic.smem_tile((hpc, bq, h), dtype),
     mosaic.smem_tile((hpc, bq, h), dtype),
     plgpu.SMEM((hpc, bq), jnp.float32),
@@ -1026,13 +1060,16 @@ def backward_dq(
       jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
     ],
     scratch_types=scratch,
-    grid=(n // hpc, num_items),
-    grid_names=("heads", "items"),
+    grid=(n // hpc, workers),
+    grid_names=("heads", "workers"),
     num_threads=hpc + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
-  )(items, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh, do_tnh, lse)
+  )(
+    items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh,
+    do_tnh, lse,
+  )  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -1090,6 +1127,21 @@ def backward_dkv(
   picks up other sequences' keys): a sequence's first and last key tile
   come from the forward's zero-filled side tiles `k_side` (same 128-row
   grid). Their `dS` is not zero (`P = 2^(-lse)`), but `dS 0 = 0`.
+
+  Persistent (fused or not): about 132 CTAs over the KV heads walk the
+  dealt key-tile list; the producer's Q/dO/lse/delta ring runs on across
+  items (global step count, which also picks the dS buffer), each consumer
+  loads the next item's K/V rows right after its key loop (fused: once
+  both consumers are past it, since each one's dQ wgmmas read the other's
+  K) and they land during the dK/dV stores. Measured on the H200,
+  log-normal, 2026-11-30, same process: D128 dK/dV kernel alone 0.685 vs
+  0.709 ms with one CTA per item, fwd+bwd 1.546 vs 1.603 ms (with the
+  persistent dQ kernel); D64 fused fwd+bwd 0.938 vs 0.946 ms (kernel alone
+  0.644 vs 0.666 ms with its zero fill). Tried at D64 and dropped: a
+  ready/free hand-off of dS instead of the lockstep barrier (the step's
+  dQ owner waits for both halves, the other runs on): 0.938 ms persistent
+  (no change), 0.972 vs 0.946 per item; zeroing the f32 dQ buffer inside
+  the delta kernel instead of a fill pass: 0.943 vs 0.941 ms (no change).
   """
   fused = dq is not None
   t, n, h = q_tnh.shape
@@ -1101,12 +1153,15 @@ def backward_dkv(
   bs = static.block_sizes
   bq, bkv, mcs = bs.block_q, bs.block_kv_dkv, bs.max_concurrent_steps
   wgs = DKV_WARPGROUPS
-  num_items = items.shape[0]
   causal = static.causal
   c = static.scale * LOG2E
 
+  workers, dealt, counts = _deal_items(items, kh, True, bs)
+
   def kernel(
     items_ref,
+    deal_ref,
+    count_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -1117,66 +1172,130 @@ def backward_dkv(
   ):
     if fused:
       ks_ref, dq_ref, dk_ref, dv_ref, *scratch = refs
-      (ds_smem, dq_stage, ds_bar) = scratch[13:]
+      (ds_smem, dq_stage, ds_bar, item_bar) = scratch[13:]
     else:
       dk_ref, dv_ref, *scratch = refs
     (k_smem2, v_smem2, kv_stage) = scratch[:3]
     (q_smem, do_smem, lse_smem, delta_smem) = scratch[3:7]
     (kv_bar, q_bar, do_bar, lse_bar, delta_bar, free) = scratch[7:13]
-    it = lax.axis_index("items")
+    w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (kv_row, lo, hi, kv_pos, q_row0, q_lead, t_first, q_steps, n_masked,
-     tile_id0, seq, kv_tile, kv_total) = [
-      items_ref[it, f] for f in range(13)]  # fmt: skip
-    total = q_steps * group
+    n_items = count_ref[w]
 
-    def coords(j):
-      """Step j -> (query head, query tile)."""
+    def item(j):
+      """Fields of the CTA's j-th item and its steps (query tiles x heads;
+      0 without valid rows)."""
+      it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
+      fields = [items_ref[it, f] for f in range(13)]
+      lo, hi, q_steps = fields[1], fields[2], fields[7]
+      return it, fields, jnp.where(hi > lo, q_steps * group, 0)
+
+    def coords(fields, j):
+      """Step j of an item -> (query head, query tile)."""
+      t_first, q_steps = fields[6], fields[7]
       per = jnp.maximum(q_steps, 1)
       return kv_head * group + lax.div(j, per), t_first + lax.rem(j, per)
 
-    @pl.when(hi > lo)
-    def _work():
-      @pl.when(wg < wgs)
-      def _compute():
-        plgpu.set_max_registers(bs.bwd_registers, action="increase")
-        k_smem = k_smem2.at[wg]
-        v_smem = v_smem2.at[wg]
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(bs.bwd_registers, action="increase")
+      k_smem = k_smem2.at[wg]
+      v_smem = v_smem2.at[wg]
+      bar = kv_bar.at[wg]
+
+      def load_kv(j):
+        """This warpgroup's key/value rows of item j; issued once the
+        previous item's wgmmas have read the buffers."""
+        _, fields, _ = item(j)
+        kv_row, seq, kv_tile, kv_total = (fields[0], *fields[10:13])
         base = mosaic.aligned(kv_row + wg * bkv)
-        bar = kv_bar.at[wg]
-        if fused:  # zero rows outside the sequence (see docstring)
-          edge = (kv_tile == 0) | (kv_tile == kv_total - 1)
 
-          @pl.when(edge)
-          def _():
-            which = jnp.where(kv_tile == 0, 0, 1)
-            plgpu.copy_gmem_to_smem(
-              ks_ref.at[seq, which, pl.ds(wg * bkv, bkv), kv_head], k_smem, bar
-            )
+        @pl.when(j < n_items)
+        def _():
+          plgpu.commit_smem()  # order earlier reads before the TMA writes
+          if fused:  # zero rows outside the sequence (see docstring)
+            edge = (kv_tile == 0) | (kv_tile == kv_total - 1)
 
-          @pl.when(jnp.logical_not(edge))
-          def _():
+            @pl.when(edge)
+            def _():
+              which = jnp.where(kv_tile == 0, 0, 1)
+              plgpu.copy_gmem_to_smem(
+                ks_ref.at[seq, which, pl.ds(wg * bkv, bkv), kv_head],
+                k_smem,
+                bar,
+              )
+
+            @pl.when(jnp.logical_not(edge))
+            def _():
+              plgpu.copy_gmem_to_smem(
+                k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+              )
+          else:
             plgpu.copy_gmem_to_smem(
               k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
             )
-        else:
           plgpu.copy_gmem_to_smem(
-            k_ref.at[pl.ds(base, bkv), kv_head], k_smem, bar
+            v_ref.at[pl.ds(base, bkv), kv_head], v_smem, bar
           )
-        plgpu.copy_gmem_to_smem(
-          v_ref.at[pl.ds(base, bkv), kv_head], v_smem, bar
-        )
+
+      def reduce_add(it, dq_part, rows, head, cols):
+        stage = dq_stage.at[wg]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage[...] = dq_part
+        plgpu.commit_smem()
+        if static.interpret is None:
+          plgpu.copy_smem_to_gmem(
+            stage, dq_ref.at[rows, head, cols], reduction_op="add"
+          )
+        else:
+          # The GPU interpreter has no TMA reduction: each warpgroup of
+          # each item stores into its own slice (one item's steps touch
+          # disjoint (head, query tile) windows), summed outside.
+          plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, wg, rows, head, cols])
+
+      def add_dq(it, g, head, q_row, ds16):
+        """dQ of this step's query tile from both halves' dS."""
+        rows = pl.ds(mosaic.aligned(q_row), bq)
+        buf = lax.rem(g, 2)
+        ds_smem.at[buf, wg][...] = ds16
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_bar)
+        plgpu.barrier_wait(ds_bar)
+        for part in range(h // 64):
+          cols = pl.ds(part * 64, 64)
+
+          @pl.when(lax.rem(g + part, 2) == wg)
+          def _(cols=cols):
+            def scoped(acc_ref):
+              for w2 in range(wgs):
+                plgpu.wgmma(
+                  acc_ref,
+                  ds_smem.at[buf, w2].transpose((1, 0)),
+                  k_smem2.at[w2].at[:, cols],
+                )
+              return acc_ref[...]
+
+            dq_part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
+            reduce_add(it, dq_part, rows, head, cols)
+
+      load_kv(0)
+      zeros = plgpu.layout_cast(
+        jnp.full((bkv, h), 0, jnp.float32), plgpu.Layout.WGMMA
+      )
+
+      def body(j, base_step):
+        it, fields, total = item(j)
+        (kv_row, lo, hi, kv_pos, q_row0, q_lead, _, q_steps, n_masked,
+         tile_id0) = fields[:10]  # fmt: skip
         plgpu.barrier_wait(bar)
-        zeros = plgpu.layout_cast(
-          jnp.full((bkv, h), 0, jnp.float32), plgpu.Layout.WGMMA
-        )
         my_pos = kv_pos + wg * bkv  # position of this warpgroup's first key
 
-        def step(j, carry, masked: bool):
+        def step(jj, carry, masked: bool):
           dk, dv = carry
-          slot = lax.rem(j, mcs)
-          head, tile = coords(j)
+          g = base_step + jj  # global step: ring slot, dS buffer
+          slot = lax.rem(g, mcs)
+          head, tile = coords(fields, jj)
           q_t = q_smem.at[slot].transpose((1, 0))
           do_t = do_smem.at[slot].transpose((1, 0))
 
@@ -1200,6 +1319,11 @@ def backward_dkv(
             dst = pt * (dpt - lax.broadcast_in_dim(delta_r, dpt.shape, [1]))
             return dst.astype(dtype)
 
+          def dq_then(ds16):
+            if not fused:
+              return None
+            return lambda: add_dq(it, g, head, q_row0 + tile * bq, ds16)
+
           plgpu.barrier_wait(q_bar.at[slot])
           if bs.bwd_pipeline:
             # S^T and dP^T issued together (the exp runs during dP^T), then
@@ -1218,7 +1342,7 @@ def backward_dkv(
               ds16,
               q_smem.at[slot],
               static.interpret,
-              (lambda: add_dq(j, head, tile, ds16)) if fused else None,
+              dq_then(ds16),
             )
             mosaic.release(free.at[slot])
             return dk, dv
@@ -1231,54 +1355,14 @@ def backward_dkv(
           dk = mosaic.accumulate(dk, ds16, q_smem.at[slot], static.interpret)
           mosaic.release(free.at[slot])
           if fused:
-            add_dq(j, head, tile, ds16)
+            dq_then(ds16)()
           return dk, dv
-
-        def reduce_add(dq_part, rows, head, cols):
-          stage = dq_stage.at[wg]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          stage[...] = dq_part
-          plgpu.commit_smem()
-          if static.interpret is None:
-            plgpu.copy_smem_to_gmem(
-              stage, dq_ref.at[rows, head, cols], reduction_op="add"
-            )
-          else:
-            # The GPU interpreter has no TMA reduction: each warpgroup of
-            # each CTA stores into its own slice (one CTA's steps touch
-            # disjoint (head, query tile) windows), summed outside.
-            plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, wg, rows, head, cols])
-
-        def add_dq(j, head, tile, ds16):
-          """dQ of this step's query tile from both halves' dS."""
-          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
-          buf = lax.rem(j, 2)
-          ds_smem.at[buf, wg][...] = ds16
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(ds_bar)
-          plgpu.barrier_wait(ds_bar)
-          for part in range(h // 64):
-            cols = pl.ds(part * 64, 64)
-
-            @pl.when(lax.rem(j + part, 2) == wg)
-            def _(cols=cols):
-              def scoped(acc_ref):
-                for w in range(wgs):
-                  plgpu.wgmma(
-                    acc_ref,
-                    ds_smem.at[buf, w].transpose((1, 0)),
-                    k_smem2.at[w].at[:, cols],
-                  )
-                return acc_ref[...]
-
-              dq_part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
-              reduce_add(dq_part, rows, head, cols)
 
         carry = (zeros, zeros)
         if causal:
 
-          def head_loop(g, carry):
-            j0 = g * q_steps
+          def head_loop(gh, carry):
+            j0 = gh * q_steps
             carry = lax.fori_loop(
               j0, j0 + n_masked, functools.partial(step, masked=True), carry
             )
@@ -1289,14 +1373,24 @@ def backward_dkv(
               carry,
             )
 
-          carry = lax.fori_loop(0, group, head_loop, carry)
+          carry = lax.fori_loop(
+            0, jnp.where(total > 0, group, 0), head_loop, carry
+          )
         else:
           carry = lax.fori_loop(
             0, total, functools.partial(step, masked=False), carry
           )
         dk, dv = carry
+        if fused:
+          # The other warpgroup's dQ wgmmas read this one's K: both finish
+          # the item before either loads the next.
+          plgpu.barrier_arrive(item_bar)
+          plgpu.barrier_wait(item_bar)
+        # K and V are read; the next item's land during the stores.
+        load_kv(j + 1)
         # dK, then dV, through one staging buffer.
         stage = kv_stage.at[wg]
+        base = mosaic.aligned(kv_row + wg * bkv)
         my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
@@ -1311,14 +1405,21 @@ def backward_dkv(
             count,
             bkv,
           )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return base_step + total
 
-      @pl.when(wg == wgs)
-      def _memory():
-        plgpu.set_max_registers(504 - 2 * bs.bwd_registers, action="decrease")
+      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def issue(j, slot):
-          head, tile = coords(j)
+    @pl.when(wg == wgs)
+    def _memory():
+      plgpu.set_max_registers(504 - 2 * bs.bwd_registers, action="decrease")
+
+      def body(j, base_step):
+        _, fields, total = item(j)
+        q_row0, tile_id0 = fields[4], fields[9]
+
+        def issue(jj, slot):
+          head, tile = coords(fields, jj)
           rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
           pad = pl.ds((tile_id0 + tile) * bq, bq)
           plgpu.copy_gmem_to_smem(
@@ -1334,7 +1435,21 @@ def backward_dkv(
             delta_ref.at[head, pad], delta_smem.at[slot], delta_bar.at[slot]
           )
 
-        mosaic.produce_ring(total, mcs, free, issue)
+        @pl.loop(0, total)
+        def _(jj):
+          g = base_step + jj
+          slot = lax.rem(g, mcs)
+
+          @pl.when(g >= mcs)
+          def _():
+            plgpu.barrier_wait(free.at[slot])
+
+          issue(jj, slot)
+
+        return base_step + total
+
+      total = lax.fori_loop(0, n_items, body, jnp.int32(0))
+      _observe_releases(total, mcs, (free,))
 
   scratch = [
     mosaic.smem_tile((wgs, bkv, h), dtype),
@@ -1351,7 +1466,7 @@ def backward_dkv(
     plgpu.Barrier(num_barriers=mcs),
     plgpu.Barrier(num_arrivals=wgs, num_barriers=mcs),
   ]
-  args = [items, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
+  args = [items, dealt, counts, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
   if fused:
     scratch += [
       mosaic.smem_tile((2, wgs, bkv, bq), dtype),
@@ -1363,6 +1478,7 @@ def backward_dkv(
         else (),
       ),
       plgpu.Barrier(num_arrivals=wgs),
+      plgpu.Barrier(num_arrivals=wgs),
     ]
     args += [k_side, dq]
   kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
@@ -1370,8 +1486,8 @@ def backward_dkv(
     kernel,
     out_type=[kv_type, kv_type],
     scratch_types=scratch,
-    grid=(kh, num_items),
-    grid_names=("heads", "items"),
+    grid=(kh, workers),
+    grid_names=("heads", "workers"),
     num_threads=wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -165,23 +165,26 @@ def _surplus_identity(s_x, z):
   return e[: len(s_x)] / l_true
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_no_races_interpret(causal):
+@pytest.mark.parametrize("causal,fused", [(False, True), (True, False)])
+def test_no_races_interpret(causal, fused):
   # The interpreter's race detector over the forward, dQ and dK/dV kernels:
   # every ring slot (K/V in the forward and dQ, Q/dO/lse/delta in dK/dV) is
-  # handed back to the producer only after a proxy fence.
+  # handed back to the producer only after a proxy fence, and the
+  # persistent backward kernels (fused here non-causal, unfused causal)
+  # reload K/V or Q/dO/O only after their last reader.
   q_off = cases.offsets(SELF_LENS)
   t = int(q_off[-1]) + 5
   q, k, v, do = cases.inputs(4, t, t, 2, 1, 64, jnp.bfloat16)
 
-  # One SM: the persistent forward's CTAs walk several items each.
+  # One SM: the persistent CTAs (forward and backward kernels) walk
+  # several items each, their rings and buffers running across items.
   attn = lambda q, k, v: jagged_attention_mosaic(
     q,
     k,
     v,
     q_off,
     causal=causal,
-    block_sizes=mg.BlockSizes(num_sms=1),
+    block_sizes=mg.BlockSizes(num_sms=1, fused_bwd=fused),
     interpret=cases.RACE_PARAMS,
   )
   cases.assert_no_races(attn, q, k, v, do)
