@@ -104,6 +104,21 @@ so each tile's query stream is cut into `dkv_parts` parts, one CTA each,
 adding f32 partials (XLA sums them). Interpret mode (CPU) runs the same
 kernels; see
 `pallas_kernels.mosaic.accumulate` for its one substitution.
+
+dQ for short keys (`dq_from_ds`). The dQ kernel recomputes `X`, `dP` and
+`a'(X)` per score (3 of the backward's 7 matmul passes). A fused
+backward that keeps dQ in a CTA needs every key of the sequence there,
+and with D=128 the dK and dV accumulators of 256 keys (2 x 256 x 128 f32
+= 256 KB) exceed the whole register file; the dK/dV kernel owns 128 keys
+per CTA instead. So when the caller bounds the keys (`max_len_kv`, at most
+`DS_MAX_KEY_TILES` tiles of 64) the dK/dV kernel also writes each scaled
+`dS^T` tile (64 keys x 64 queries, bf16) it forms anyway, and a light
+persistent pass reads them back with K: `dQ = sum dS^T[tile]^T K[tile]`,
+one matmul per tile pair, no recomputation. The `dS` round trip costs
+`t n keys` bf16 twice; the dQ kernel read Q and dO and did 3 matmuls
+and the derivative. H200, B=32 x 2,048 queries over 256 keys, backward
+alone (2026-12-01): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
+`dS^T` 0.313 ms of it).
 """
 
 import dataclasses
@@ -149,6 +164,7 @@ class BlockSizes:
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
+  dq_from_ds: bool | None = None  # dQ from stored dS^T (`use_dq_from_ds`)
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
@@ -180,6 +196,7 @@ class _Static:
   scale: float
   block_sizes: BlockSizes
   interpret: object  # None (compile) or plgpu.InterpretGPUParams
+  max_len_kv: int | None = None  # the caller's static bound on key lengths
 
 
 # --------------------------------------------------------------------------
@@ -263,7 +280,9 @@ def act_and_grad(x, name: str, tanh: str = "exact"):
 # Work lists.
 
 
-def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv, parts=1):
+def key_items(
+  q_offsets, kv_offsets, s, *, block_q, block_kv, parts=1, q_tile_start=None
+):
   """Items of the dK/dV kernel: `parts` per `block_kv`-row key tile (the
   tile's query tiles cut into `parts` runs), longest first (cost: the query
   tiles it streams); a tile's parts are consecutive, part fastest.
@@ -271,7 +290,10 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv, parts=1):
   Columns: 0 first packed row of the (8-aligned) key tile, 1-2 its valid
   rows `[lo, hi)`, 3 first packed row of the sequence's aligned query grid,
   4 query tiles of the sequence, 5 first query tile of this item, 6 query
-  tiles of this item, 7 sequence, 8 key length, 9 part (split index).
+  tiles of this item, 7 sequence, 8 key length, 9 part (split index), 10
+  the tile's index in the sequence's key grid, 11 the id of the sequence's
+  first query tile (`q_tile_start`: the query schedule's `tile_start_b`;
+  0 without it).
   """
   kv_off, q_off = jmg.seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -310,8 +332,36 @@ def key_items(q_offsets, kv_offsets, s, *, block_q, block_kv, parts=1):
     rep(seq),
     rep(kv_len_b[seq]),
     jnp.broadcast_to(part, first.shape),
+    rep(tile),
+    rep(
+      jnp.zeros_like(seq)
+      if q_tile_start is None
+      else q_tile_start[jnp.minimum(seq, q_tile_start.shape[0] - 1)]
+    ),
   ]
   return jnp.stack(cols, axis=-1).reshape(-1, len(cols)).astype(jnp.int32)
+
+
+DS_MAX_KEY_TILES = 5  # dQ from dS^T up to 5 key tiles of 64 (256 keys)
+
+
+def ds_key_tiles(max_len_kv: int | None) -> int | None:
+  """Static bound on a sequence's 64-row key tiles (lead rows included)."""
+  if max_len_kv is None:
+    return None
+  return max(1, -(-(max_len_kv + mosaic.ALIGN - 1) // 64))
+
+
+def use_dq_from_ds(bs, max_len_kv: int | None) -> bool:
+  """dQ from the dK/dV kernel's `dS^T` (`dq_from_ds`) instead of the dQ
+  kernel's recomputation: needs the caller's `max_len_kv` (the buffer is
+  `[n, key tiles, query tiles, 64, 64]`); by default for short keys."""
+  tiles = ds_key_tiles(max_len_kv)
+  if bs.dq_from_ds is not None:
+    if bs.dq_from_ds and tiles is None:
+      raise ValueError("dq_from_ds needs max_len_kv")
+    return bs.dq_from_ds
+  return tiles is not None and tiles <= DS_MAX_KEY_TILES
 
 
 def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
@@ -348,9 +398,10 @@ DKV_ROWS = 128  # key rows per dK/dV CTA (two warpgroups of 64)
   W_SEQ,  # sequence
   W_FIRST,  # first key tile of this item
   W_PART,  # key part (split-K index)
+  W_TILE,  # sequence-major id of the query tile (dS tiles, `dq_from_ds`)
   W_REUSE,  # 1: keys resident from the worker's previous item
   W_RELEASE,  # 1: the worker's next item does not reuse them
-) = range(12)
+) = range(13)
 
 
 def v_tile(shape, dtype, block_kv):
@@ -396,7 +447,7 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
 
 
 def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
-  """Per-worker work: `int32[w, j, 12]` (columns `W_*`), real items per
+  """Per-worker work: `int32[w, j, 13]` (columns `W_*`), real items per
   worker.
 
   `items` (`jagged_attention.mosaic_gpu.query_items`, sorted) become
@@ -416,7 +467,7 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
     return jnp.broadcast_to(items[:, c], (parts, num))
 
   cols = [rep(0), rep(1), rep(2), rep(4), rep(5), count, rep(8), rep(9)]
-  cols += [first, jnp.broadcast_to(part, (parts, num))]
+  cols += [first, jnp.broadcast_to(part, (parts, num)), rep(10)]
   table = jnp.stack(cols, axis=-1).reshape(parts * num, len(cols))
   num_real = num_real * parts
   if parts > 1:
@@ -459,6 +510,39 @@ def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
       if _query_smem(hpc, qs, h, bs, dq, out_bytes, full) <= SMEM_BYTES:
         return hpc, qs, full
   raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
+
+
+def _store_query_tile(
+  acc, out_ref, o_tile, of_tile, head, q_row, lo, hi, part, bq, out_dtype
+):
+  """Rows `[lo, hi)` of a query tile's result `acc` into `out_ref` (`[t, n,
+  h]`, or `[parts, t, n, h]` with `part`) with TMA. Partial tiles go
+  through the plain buffer `o_tile` and the ladder; whole tiles through
+  the swizzled `of_tile` (when given), which the wgmma-layout register
+  store reaches without bank conflicts (8-way into a plain 256-byte-row
+  buffer)."""
+  # The previous tile's stores must have read the buffers before reuse.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if part is not None:
+    dst = lambda r, size: out_ref.at[part, pl.ds(q_row + r, size), head]  # noqa: E731
+  else:
+    dst = lambda r, size: out_ref.at[pl.ds(q_row + r, size), head]  # noqa: E731
+  whole = (lo == 0) & (hi == bq) if of_tile is not None else False
+
+  @pl.when(jnp.logical_not(whole))
+  def _():
+    o_tile[...] = acc.astype(out_dtype)
+    plgpu.commit_smem()
+    mosaic.ladder_store(o_tile, dst, lo, hi - lo, bq)
+
+  if of_tile is not None:
+
+    @pl.when(whole)
+    def _():
+      of_tile[...] = acc.astype(out_dtype)
+      plgpu.commit_smem()
+      rows = pl.ds(mosaic.aligned(q_row), bq)
+      plgpu.copy_smem_to_gmem(of_tile, out_ref.at[rows, head])
 
 
 def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
@@ -594,35 +678,11 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
         def _():
           mosaic.release(q_free.at[slot])
 
-        # The previous tile's stores must have read o_smem before reuse.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if parts > 1:
-          part = cur[W_PART]
-          dst = lambda r, size: out_ref.at[part, pl.ds(q_row + r, size), head]  # noqa: E731
-        else:
-          dst = lambda r, size: out_ref.at[pl.ds(q_row + r, size), head]  # noqa: E731
-        whole = (lo == 0) & (hi == bq) if full else False
-
-        @pl.when(jnp.logical_not(whole))
-        def _():
-          # Plain buffer: the ladder slices it at any row.
-          o_tile = o_smem.at[wg]
-          o_tile[...] = acc.astype(out_dtype)
-          plgpu.commit_smem()
-          mosaic.ladder_store(o_tile, dst, lo, hi - lo, bq)
-
-        if full:
-
-          @pl.when(whole)
-          def _():
-            # Swizzled buffer: the wgmma-layout store is free of bank
-            # conflicts (8-way into a plain 256-byte-row buffer).
-            o_tile = of_smem.at[wg]
-            o_tile[...] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            rows = pl.ds(mosaic.aligned(q_row), bq)
-            plgpu.copy_smem_to_gmem(o_tile, out_ref.at[rows, head])
-
+        part = cur[W_PART] if parts > 1 else None
+        _store_query_tile(
+          acc, out_ref, o_smem.at[wg], of_smem.at[wg] if full else None,
+          head, q_row, lo, hi, part, bq, out_dtype,
+        )  # fmt: skip
         return (jnp.where(reuse, loads, loads + steps), *nxt)
 
       lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
@@ -730,12 +790,26 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 # dK, dV: per key tile, streaming the query tiles of every head of the group.
 
 
-def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
+def backward_dkv(
+  q, k, v, do, q_side, do_side, items, static, parts=1, ds_tiles=None
+):
   """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
 
   `items`: `key_items(..., parts=parts)`; with `parts > 1` each item adds
   its part of the query stream into an f32 partial `[parts, s, k, h]`
-  (one f32 staging buffer per warpgroup, dK then dV), summed by XLA."""
+  (one f32 staging buffer per warpgroup, dK then dV), summed by XLA.
+
+  `ds_tiles` (`(key tiles of 64, query tiles)`, static): also return every
+  scaled `dS^T` tile (`[n, key tiles, query tiles, 64, 64]`, key tile
+  index in the sequence's 64-row grid, query tile by its id in the query
+  schedule, i.e. `items` built with `q_tile_start`), for `dq_from_ds`.
+
+  The four wgmmas of a step run one after the other. (Tried, H200,
+  2026-12-01, B=32 x 2,048 queries over 256 keys, backward alone: `X^T`
+  with `dP^T`, then dV with dK, each pair in flight together, the
+  activation during `dP^T`: 0.4496 vs 0.4422 ms with `dS^T` out, 0.5516
+  vs 0.5652 ms with the dQ kernel; no gain beyond noise, removed.)
+  """
   t, n, h = q.shape
   s, kh, _ = k.shape
   dtype = q.dtype
@@ -747,19 +821,24 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
   num_items = items.shape[0]
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
+  with_ds = ds_tiles is not None
+  interp = static.interpret
 
   def kernel(
-    items_ref, q_ref, k_ref, v_ref, do_ref, qs_ref, dos_ref, dk_ref, dv_ref,
-    *scratch,
+    items_ref, q_ref, k_ref, v_ref, do_ref, qs_ref, dos_ref, *refs
   ):  # fmt: skip
+    if with_ds:
+      dk_ref, dv_ref, ds_ref, *scratch = refs
+      ds_stage = scratch[9]
+    else:
+      dk_ref, dv_ref, *scratch = refs
     (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem) = scratch[:6]
-    (kv_bar, q_bar, free) = scratch[6:]
+    (kv_bar, q_bar, free) = scratch[6:9]
     it = lax.axis_index("items")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    (kv_row, lo, hi, q_row0, n_q, t0, q_steps, seq, kv_len, part) = [
-      items_ref[it, f] for f in range(10)
-    ]
+    (kv_row, lo, hi, q_row0, n_q, t0, q_steps, seq, kv_len, part, kv_tile,
+     tile_id0) = [items_ref[it, f] for f in range(12)]  # fmt: skip
     total = q_steps * group
 
     def coords(j):
@@ -788,29 +867,37 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
         )
         if hstu:
           mult = jnp.where(kv_len > 0, 1.0 / kv_len.astype(jnp.float32), 0.0)
+        ds_scale = mult * scale if hstu else scale
+
+        def scores(xt):
+          pt, dact = act_and_grad(xt * scale, name, tanh)
+          return (pt * mult if hstu else pt), dact
+
+        def store_ds(j, dst16):
+          """This step's `dS^T` tile out (the previous store has long
+          read the staging buffer)."""
+          head, tile = coords(j)
+          stage = ds_stage.at[wg]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage[...] = dst16
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+            stage, ds_ref.at[head, 2 * kv_tile + wg, tile_id0 + tile]
+          )
 
         def step(j, carry):
           dk, dv = carry
           slot = lax.rem(j, mcs)
           plgpu.barrier_wait(q_bar.at[slot])
-          xt = mosaic.matmul(
-            k_smem, q_smem.at[slot].transpose((1, 0)), (bkv, bq)
-          )
-          xt = xt * scale
-          pt, dact = act_and_grad(xt, name, tanh)
-          if hstu:
-            pt = pt * mult
-          dv = mosaic.accumulate(
-            dv, pt.astype(dtype), do_smem.at[slot], static.interpret
-          )
-          dpt = mosaic.matmul(
-            v_smem, do_smem.at[slot].transpose((1, 0)), (bkv, bq)
-          )
-          dst = dact * dpt
-          dst = dst * (mult * scale) if hstu else dst * scale
-          dk = mosaic.accumulate(
-            dk, dst.astype(dtype), q_smem.at[slot], static.interpret
-          )
+          q_t = q_smem.at[slot].transpose((1, 0))
+          do_t = do_smem.at[slot].transpose((1, 0))
+          pt, dact = scores(mosaic.matmul(k_smem, q_t, (bkv, bq)))
+          dv = mosaic.accumulate(dv, pt.astype(dtype), do_smem.at[slot], interp)
+          dpt = mosaic.matmul(v_smem, do_t, (bkv, bq))
+          dst16 = (dact * dpt * ds_scale).astype(dtype)
+          dk = mosaic.accumulate(dk, dst16, q_smem.at[slot], interp)
+          if with_ds:
+            store_ds(j, dst16)
           mosaic.release(free.at[slot])
           return dk, dv
 
@@ -826,6 +913,7 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
         @pl.when(count > 0)
         def _():
           dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           if parts > 1:  # one f32 buffer: dK, then dV once it was read
             buf = dk_smem2.at[wg]
             for i, (val, dst) in enumerate(((dk, dk_ref), (dv, dv_ref))):
@@ -846,7 +934,9 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
 
         # A warpgroup whose 64 key rows all lie past the sequence (short
         # keys: the common case of cross-attention) computes nothing, but
-        # still consumes the ring so the barrier phases stay in step.
+        # still consumes the ring so the barrier phases stay in step. (Its
+        # `dS^T` tiles are never read: `dq_from_ds` visits only the
+        # sequence's own 64-row key tiles.)
         @pl.when(count == 0)
         def _():
           @pl.loop(0, total)
@@ -898,17 +988,179 @@ def backward_dkv(q, k, v, do, q_side, do_side, items, static, parts=1):
   ]
   kv_shape = (parts, s, kh, h) if parts > 1 else (s, kh, h)
   kv_type = jax.ShapeDtypeStruct(kv_shape, out_dtype)
-  dk, dv = plgpu.kernel(
+  out_type = [kv_type, kv_type]
+  if with_ds:
+    scratch.append(tile((wgs, bkv, bq), dtype))
+    out_type.append(jax.ShapeDtypeStruct((n, *ds_tiles, bkv, bq), dtype))
+  outs = plgpu.kernel(
     kernel,
-    out_type=[kv_type, kv_type],
+    out_type=out_type,
     scratch_types=scratch,
     grid=(kh, num_items),
     grid_names=("heads", "items"),
     num_threads=wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True),
-    interpret=static.interpret,
+    interpret=interp,
   )(items, q, k, v, do, q_side, do_side)
+  dk, dv = outs[:2]
   if parts > 1:  # the parts simply add
     dk, dv = (x.sum(axis=0).astype(dtype) for x in (dk, dv))
-  return dk, dv
+  return (dk, dv, outs[2]) if with_ds else (dk, dv)
+
+
+# --------------------------------------------------------------------------
+# dQ from the dK/dV kernel's dS^T tiles (short keys).
+
+
+def dq_from_ds(k, k_side, ds, items, num_real, static, t):
+  """dQ `[t, n, h]` = sum over the sequence's 64-row key tiles of
+  `dS^T[tile]^T K[tile]` (`ds` from `backward_dkv(..., ds_tiles)`, scale
+  included), with no recomputation of `X`, `a'(X)` or `dP`.
+
+  For short keys the dQ kernel's recomputation (`QK^T`, `dO V^T` and the
+  activation's derivative per score) costs more than reading `dS` back:
+  this pass is one matmul per tile pair and streams `dS^T` (64 x 64 per
+  query tile, head and key tile) and K. Persistent CTAs as in the
+  forward (same work table; `items`: `query_items` with 64-row key
+  tiles), `hpc` consumer warpgroups (one query head each, sharing the K
+  tile) and a producer filling a ring of `kv_stages + 2` slots of (K,
+  `dS^T` per head); keys are not kept resident (K tiles come from L2).
+  `k_side`: `side_tiles(k, kv_offsets, 64)`, so key rows outside the
+  sequence are zero and the (finite) `dS^T` rows there add nothing.
+  """
+  s, kh, h = k.shape
+  n = ds.shape[0]
+  dtype = k.dtype
+  group = n // kh
+  bs = static.block_sizes
+  bq, bkv = bs.block_q, 64
+  mcs = bs.kv_stages + 2
+  parts = kv_parts(
+    dataclasses.replace(bs, block_kv=bkv),
+    items.shape[0],
+    max(n // 2, 1),
+    s,
+    k_side.shape[0] - 1,
+  )
+  out_dtype = jnp.float32 if parts > 1 else dtype
+  hpc = 2 if group % 2 == 0 else 1
+  full = bs.full_store and out_dtype == dtype
+  num = parts * items.shape[0]
+  workers = schedule.persistent_workers(n // hpc, bs.num_sms, num)
+  chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
+  wt, counts = work_table(items, num_real, parts, workers, chunk, 0)
+  per_worker = wt.shape[1]
+
+  def kernel(wt_ref, count_ref, k_ref, ks_ref, ds_ref, out_ref, *scratch):
+    (k_smem, ds_smem, o_smem, kv_bar, kv_free) = scratch[:5]
+    of_smem = scratch[5] if full else None
+    w = lax.axis_index("workers")
+    hp = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_steps = count_ref[w]
+    kv_head = lax.div(hp * hpc, group)
+
+    def fetch(j, cols):
+      jj = jnp.minimum(j, per_worker - 1)
+      return tuple(wt_ref[w, jj, c] for c in cols)
+
+    @pl.when(wg < hpc)
+    def _consumer():
+      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      head = hp * hpc + wg
+      cols = (W_QROW, W_LO, W_HI, W_STEPS) + (W_PART,) * (parts > 1)
+
+      def body(j, carry):
+        loads, cur = carry[0], dict(zip(cols, carry[1:], strict=True))
+        nxt = fetch(j + 1, cols)
+        q_row, lo, hi, steps = (cur[W_QROW], cur[W_LO], cur[W_HI], cur[W_STEPS])
+        acc = plgpu.layout_cast(
+          jnp.full((bq, h), 0, jnp.float32), plgpu.Layout.WGMMA
+        )
+
+        def step(i, acc):
+          s = lax.rem(loads + i, mcs)
+          plgpu.barrier_wait(kv_bar.at[s])
+          acc = mosaic.accumulate(
+            acc,
+            ds_smem.at[s, wg].transpose((1, 0)),
+            k_smem.at[s],
+            static.interpret,
+          )
+          mosaic.release(kv_free.at[s])
+          return acc
+
+        acc = lax.fori_loop(0, steps, step, acc)
+        part = cur[W_PART] if parts > 1 else None
+        _store_query_tile(
+          acc, out_ref, o_smem.at[wg], of_smem and of_smem.at[wg], head,
+          q_row, lo, hi, part, bq, out_dtype,
+        )  # fmt: skip
+        return (loads + steps, *nxt)
+
+      lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == hpc)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      cols = (W_KVROW, W_STEPS, W_TOTAL, W_SEQ, W_FIRST, W_TILE)
+
+      def body(j, carry):
+        loads, cur = carry[0], dict(zip(cols, carry[1:], strict=True))
+        nxt = fetch(j + 1, cols)
+
+        def load(i, loads):
+          s = lax.rem(loads, mcs)
+
+          @pl.when(loads >= mcs)
+          def _():
+            plgpu.barrier_wait(kv_free.at[s])
+
+          kt = cur[W_FIRST] + i
+          item = (cur[W_KVROW], None, cur[W_TOTAL], cur[W_SEQ])
+          jmg.load_kv_tile(
+            k_ref, ks_ref, k_smem.at[s], kv_bar.at[s], kt, item, bkv, kv_head
+          )
+          for g in range(hpc):
+            plgpu.copy_gmem_to_smem(
+              ds_ref.at[hp * hpc + g, kt, cur[W_TILE]],
+              ds_smem.at[s, g],
+              kv_bar.at[s],
+            )
+          return loads + 1
+
+        return (lax.fori_loop(0, cur[W_STEPS], load, loads), *nxt)
+
+      carry = lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
+      loads = carry[0]
+
+      @pl.loop(jnp.maximum(loads - mcs, 0), loads)
+      def _(i):
+        plgpu.barrier_wait(kv_free.at[lax.rem(i, mcs)])
+
+  tile = mosaic.smem_tile
+  scratch = [
+    tile((mcs, bkv, h), dtype),
+    tile((mcs, hpc, bkv, bq), dtype),
+    plgpu.SMEM((hpc, bq, h), out_dtype),
+    plgpu.Barrier(num_arrivals=1 + hpc, num_barriers=mcs),
+    plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
+    *([tile((hpc, bq, h), dtype)] if full else []),
+  ]
+  out_shape = (parts, t, n, h) if parts > 1 else (t, n, h)
+  out = plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+    scratch_types=scratch,
+    grid=(n // hpc, workers),
+    grid_names=("heads", "workers"),
+    num_threads=hpc + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=static.interpret,
+  )(wt, counts, k, k_side, ds)
+  if parts > 1:
+    out = out.sum(axis=0).astype(dtype)
+  return out

@@ -73,8 +73,16 @@ def _bwd(static, res, do):
     mosaic.pad_rows(v),
     mosaic.pad_rows(do),
   )
-  dq = _query_side(static, q, k, v, do, q_off, kv_off)
   bs = static.block_sizes
+  from_ds = mg.use_dq_from_ds(bs, static.max_len_kv)
+  if from_ds:
+    q_items, q_sched = jmg.query_items(
+      q_off, kv_off, q.shape[0], block_q=bs.block_q, block_kv=64, causal=False
+    )
+    q_start = q_sched.tile_start_b
+  else:
+    dq = _query_side(static, q, k, v, do, q_off, kv_off)
+    q_start = None
   parts = mg.dkv_parts(bs, q_off.shape[0] - 1, k.shape[0], k.shape[1])
   items = mg.key_items(
     q_off,
@@ -83,10 +91,21 @@ def _bwd(static, res, do):
     block_q=bs.block_q,
     block_kv=mg.DKV_ROWS,
     parts=parts,
+    q_tile_start=q_start,
   )
   q_side = jmg.side_tiles(q, q_off, bs.block_q)
   do_side = jmg.side_tiles(do, q_off, bs.block_q)
-  dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static, parts)
+  if from_ds:
+    ds_tiles = (mg.ds_key_tiles(static.max_len_kv), q_items.shape[0])
+    dk, dv, ds = mg.backward_dkv(
+      q, k, v, do, q_side, do_side, items, static, parts, ds_tiles
+    )
+    k_side = jmg.side_tiles(k, kv_off, 64)
+    dq = mg.dq_from_ds(
+      k, k_side, ds, q_items, q_sched.num_items, static, q.shape[0]
+    )
+  else:
+    dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static, parts)
   return dq[:t], dk[:s], dv[:s], None, None
 
 
@@ -158,6 +177,7 @@ def gdpa_mosaic(
     scale=float(h**-0.5 if scale is None else scale),
     block_sizes=bs,
     interpret=interpret,
+    max_len_kv=max_len_kv,
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)

@@ -72,6 +72,9 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
 
 
 SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
+# The dQ kernel that recomputes X and dP (long keys; short keys read dS^T
+# back from the dK/dV kernel, `dq_from_ds`, the default the others take).
+RECOMPUTE_DQ = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=False)
 # Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
 # each key tile's query stream in 3 parts (f32 partials; a sequence with
 # one query tile leaves parts without work, which must write zeros) through
@@ -109,17 +112,18 @@ def test_cross_attention_gelu_interpret():
 
 
 @pytest.mark.parametrize(
-  "block_sizes", [SMALL, SPLIT], ids=["streamed", "split_keys"]
+  "block_sizes", [RECOMPUTE_DQ, SPLIT], ids=["streamed", "split_keys"]
 )
 def test_pooled_attention_gelu_tanh_interpret(block_sizes):
   # Pooled shape: a few (learned) queries over long histories, 130 keys =
   # three 64-row key tiles, more than the 2-stage ring holds (streamed,
   # not resident). Default scale on unit-normal inputs puts the GELU
   # inputs on both sides of the polynomial's range (fallback exercised).
-  # SPLIT cuts each query tile's keys in 3 parts of 32-row tiles (seq 0:
-  # 5 tiles -> parts of 1, 2, 2; seq 1: 7 keys, one tile -> two empty
-  # parts, which must still write their zero partials; seq 3 without
-  # keys), forward and dQ through f32 partials.
+  # RECOMPUTE_DQ takes the dQ kernel. SPLIT cuts each query tile's keys in
+  # 3 parts of 32-row tiles (seq 0: 5 tiles -> parts of 1, 2, 2; seq 1: 7
+  # keys, one tile -> two empty parts, which must still write their zero
+  # partials; seq 3 without keys), forward and dQ from dS^T (64-row key
+  # tiles: parts of 1, 1, 1) through f32 partials.
   _check_case(
     [2, 1, 0, 3],
     [130, 7, 20, 0],
@@ -155,21 +159,35 @@ def test_self_attention_silu_hstu_odd_group_interpret():
 
 
 def test_no_races_interpret():
-  # The interpreter's race detector over the forward, dQ and dK/dV kernels:
-  # every shared-memory buffer handed back to the producer (K/V and Q
-  # rings, resident keys reused across tiles) is ordered before its refill,
-  # with the Q slot handed back early (after its last read) and split keys.
+  # The interpreter's race detector over the forward, dK/dV and dQ
+  # kernels (both dQ forms): every shared-memory buffer handed back to the
+  # producer (K/V and Q rings, resident keys reused across tiles, the
+  # (K, dS^T) ring) is ordered before its refill, with the Q slot handed
+  # back early (after its last read) and split keys.
   q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
   q, k, v, do = cases.inputs(
     4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
-  bs = mg.BlockSizes(
-    num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2
-  )
-  attn = lambda q, k, v: gdpa_mosaic(
-    q, k, v, q_off, kv_off, block_sizes=bs, interpret=cases.RACE_PARAMS
-  )
-  cases.assert_no_races(attn, q, k, v, do)
+  for from_ds in (True, False):
+    bs = mg.BlockSizes(
+      num_sms=2,
+      deal_chunk=2,
+      block_kv=32,
+      q_stages=3,
+      kv_split=2,
+      dq_from_ds=from_ds,
+    )
+    attn = lambda q, k, v, bs=bs: gdpa_mosaic(
+      q,
+      k,
+      v,
+      q_off,
+      kv_off,
+      block_sizes=bs,
+      max_len_kv=130,
+      interpret=cases.RACE_PARAMS,
+    )
+    cases.assert_no_races(attn, q, k, v, do)
 
 
 def test_tanh_polynomial_error_on_its_range():
@@ -219,6 +237,7 @@ def test_work_table_covers_every_key_tile_once():
   items = np.zeros((num, 11), np.int32)
   items[:, 0] = np.arange(num) * 64  # query row: the item's identity
   items[:, 9] = np.arange(num) // 3  # sequence
+  items[:, 10] = np.arange(num) + 100  # query tile id
   # Key tiles: one count per sequence, as query_items gives.
   items[:num_real, 7] = rng.integers(0, 9, num)[items[:num_real, 9]]
   wt, counts = mg.work_table(
@@ -232,6 +251,7 @@ def test_work_table_covers_every_key_tile_once():
       for tile in range(first, first + steps):
         key = (row[mg.W_QROW], tile)
         assert key not in seen
+        assert row[mg.W_TILE] == row[mg.W_QROW] // 64 + 100
         seen[key] = row[mg.W_PART]
   want = {(i * 64, j) for i in range(num_real) for j in range(items[i, 7])}
   assert set(seen) == want
