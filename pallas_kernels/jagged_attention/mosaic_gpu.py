@@ -477,14 +477,6 @@ def _kv_stream(
     issue(v_ref, side_v, v_smem, v_bar, i, slot)
 
 
-def forward_workers(num_items: int, hpc_groups: int, bs: BlockSizes) -> int:
-  """Persistent CTAs per head pair (or one CTA per item when not
-  persistent)."""
-  if not bs.persistent:
-    return num_items
-  return schedule.persistent_workers(hpc_groups, bs.num_sms, num_items)
-
-
 def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
   """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
   turns per CTA) for a kernel over `items` (columns 1-2: valid rows; items
