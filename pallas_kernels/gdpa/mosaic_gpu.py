@@ -110,8 +110,8 @@ dQ for short keys (`dq_from_ds`). The dQ kernel recomputes `X`, `dP` and
 backward that keeps dQ in a CTA needs every key of the sequence there,
 and with D=128 the dK and dV accumulators of 256 keys (2 x 256 x 128 f32
 = 256 KB) exceed the whole register file; the dK/dV kernel owns 128 keys
-per CTA instead. So when the caller bounds the keys (`max_len_kv`, at most
-`DS_MAX_KEY_TILES` tiles of 64) the dK/dV kernel also writes each scaled
+per CTA instead. So when the caller bounds the keys (`max_len_kv`, within
+`DS_KEY_TILES` tiles of 64) the dK/dV kernel also writes each scaled
 `dS^T` tile (64 keys x 64 queries, bf16) it forms anyway, and a light
 persistent pass reads them back with K: `dQ = sum dS^T[tile]^T K[tile]`,
 one matmul per tile pair, no recomputation. The `dS` round trip costs
@@ -342,7 +342,10 @@ def key_items(
   return jnp.stack(cols, axis=-1).reshape(-1, len(cols)).astype(jnp.int32)
 
 
-DS_MAX_KEY_TILES = 5  # dQ from dS^T up to 5 key tiles of 64 (256 keys)
+# dQ from dS^T by default for 3..5 key tiles of 64 (~129-256 keys): measured
+# at 256 keys; 16 and 64 keys (1-2 tiles) keep the dQ kernel until timed
+# (benchmarks/gdpa.py variants `cross16:ds`, `cross64:ds`).
+DS_KEY_TILES = (3, 5)
 
 
 def ds_key_tiles(max_len_kv: int | None) -> int | None:
@@ -355,13 +358,15 @@ def ds_key_tiles(max_len_kv: int | None) -> int | None:
 def use_dq_from_ds(bs, max_len_kv: int | None) -> bool:
   """dQ from the dK/dV kernel's `dS^T` (`dq_from_ds`) instead of the dQ
   kernel's recomputation: needs the caller's `max_len_kv` (the buffer is
-  `[n, key tiles, query tiles, 64, 64]`); by default for short keys."""
+  `[n, key tiles, query tiles, 64, 64]`); by default for short keys
+  (`DS_KEY_TILES`)."""
   tiles = ds_key_tiles(max_len_kv)
   if bs.dq_from_ds is not None:
     if bs.dq_from_ds and tiles is None:
       raise ValueError("dq_from_ds needs max_len_kv")
     return bs.dq_from_ds
-  return tiles is not None and tiles <= DS_MAX_KEY_TILES
+  lo, hi = DS_KEY_TILES
+  return tiles is not None and lo <= tiles <= hi
 
 
 def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:

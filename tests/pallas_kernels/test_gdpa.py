@@ -71,16 +71,23 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
   assert not dk[kv_zero].any() and not dv[kv_zero].any()
 
 
-SMALL = mg.BlockSizes(num_sms=2, deal_chunk=2)  # several tiles per CTA
-# The dQ kernel that recomputes X and dP (long keys; short keys read dS^T
-# back from the dK/dV kernel, `dq_from_ds`, the default the others take).
+# Several tiles per CTA (2 SMs); dQ two ways: the dQ kernel recomputing X
+# and dP, or read back from the dK/dV kernel's dS^T tiles (`dq_from_ds`,
+# the default for 129-256 keys).
 RECOMPUTE_DQ = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=False)
+FROM_DS = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=True)
 # Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
 # each key tile's query stream in 3 parts (f32 partials; a sequence with
 # one query tile leaves parts without work, which must write zeros) through
-# a 3-deep (Q, dO) ring.
+# a 3-deep (Q, dO) ring, and writes dS^T for dQ.
 NARROW = mg.BlockSizes(
-  num_sms=2, deal_chunk=2, block_kv=16, q_stages=3, dkv_split=3, dkv_stages=3
+  num_sms=2,
+  deal_chunk=2,
+  block_kv=16,
+  q_stages=3,
+  dkv_split=3,
+  dkv_stages=3,
+  dq_from_ds=True,
 )
 # Split-K: each query tile's keys in 3 parts (f32 partial outputs), and
 # dK/dV's query stream in 2.
@@ -119,11 +126,11 @@ def test_pooled_attention_gelu_tanh_interpret(block_sizes):
   # three 64-row key tiles, more than the 2-stage ring holds (streamed,
   # not resident). Default scale on unit-normal inputs puts the GELU
   # inputs on both sides of the polynomial's range (fallback exercised).
-  # RECOMPUTE_DQ takes the dQ kernel. SPLIT cuts each query tile's keys in
-  # 3 parts of 32-row tiles (seq 0: 5 tiles -> parts of 1, 2, 2; seq 1: 7
-  # keys, one tile -> two empty parts, which must still write their zero
-  # partials; seq 3 without keys), forward and dQ from dS^T (64-row key
-  # tiles: parts of 1, 1, 1) through f32 partials.
+  # RECOMPUTE_DQ takes the dQ kernel. SPLIT (dQ from dS^T) cuts each
+  # query tile's keys in 3 parts of 32-row tiles (seq 0: 5 tiles -> parts
+  # of 1, 2, 2; seq 1: 7 keys, one tile -> two empty parts, which must
+  # still write their zero partials; seq 3 without keys), forward and dQ
+  # from dS^T (64-row key tiles: parts of 1, 1, 1) through f32 partials.
   _check_case(
     [2, 1, 0, 3],
     [130, 7, 20, 0],
@@ -141,7 +148,8 @@ def test_pooled_attention_gelu_tanh_interpret(block_sizes):
 
 def test_self_attention_silu_hstu_odd_group_interpret():
   # HSTU-style silu(x)/N self-attention, fp16, 3 query heads per KV head
-  # (one head per CTA); lengths 0, 1, 9 and 70 share one buffer.
+  # (one head per CTA); lengths 0, 1, 9 and 70 share one buffer. dQ from
+  # dS^T (the 1/N is in dS).
   lens = [9, 0, 70, 1]
   _check_case(
     lens,
@@ -154,7 +162,7 @@ def test_self_attention_silu_hstu_odd_group_interpret():
     seed=3,
     activation="silu",
     normalize="hstu",
-    block_sizes=SMALL,
+    block_sizes=FROM_DS,
   )
 
 
@@ -342,3 +350,20 @@ def test_gpu_matches_reference(shape, activation, normalize, h):
     activation=activation,
     normalize=normalize,
   )
+
+
+def test_dq_from_ds_default_range():
+  # Read-back dQ by default only where measured (129-256 keys); it needs
+  # the caller's static key bound.
+  bs = mg.BlockSizes()
+  assert [mg.use_dq_from_ds(bs, n) for n in (None, 16, 64, 129, 256, 330)] == [
+    False,
+    False,
+    False,
+    True,
+    True,
+    False,
+  ]
+  assert not mg.use_dq_from_ds(mg.BlockSizes(dq_from_ds=False), 256)
+  with pytest.raises(ValueError, match="max_len_kv"):
+    mg.use_dq_from_ds(mg.BlockSizes(dq_from_ds=True), None)
