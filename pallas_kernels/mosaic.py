@@ -108,9 +108,21 @@ def produce_ring(total, stages: int, free, issue):
     plgpu.barrier_wait(free.at[slot])
     issue(j + stages, slot)
 
+  observe_releases(total, stages, free)
+
+
+def observe_releases(total, stages: int, *frees):
+  """A producer waits out the consumers' releases of the last `stages` of
+  its `total` (dynamic) loads through a ring of `stages` slots (`frees`:
+  one barrier array per ring, indexed by slot), so every barrier phase is
+  consumed before the CTA exits (the interpreter checks this; on the GPU
+  it costs nothing)."""
+
   @pl.loop(jnp.maximum(total - stages, 0), total)
   def _(j):
-    plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+    slot = lax.rem(j, stages)
+    for free in frees:
+      plgpu.barrier_wait(free.at[slot])
 
 
 def tile_ring(num_steps, stages: int, fetch, body, carry=()):

@@ -494,18 +494,6 @@ def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
   return workers, dealt, counts
 
 
-def _observe_releases(total, mcs, free_bars):
-  """A producer observes the consumers' last releases (global steps
-  `[total - mcs, total)`), so every barrier phase is consumed before the
-  CTA exits (the interpreter checks this; on the GPU it costs nothing)."""
-
-  @pl.loop(jnp.maximum(total - mcs, 0), total)
-  def _(g):
-    slot = lax.rem(g, mcs)
-    for free in free_bars:
-      plgpu.barrier_wait(free.at[slot])
-
-
 def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   """Returns (o `[t, n, h]`, lse `f32[n, i * block_q]` tile-padded, log2).
 
@@ -730,7 +718,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         return base + kv_steps
 
       total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-      _observe_releases(total, mcs, (k_free, v_free))
+      mosaic.observe_releases(total, mcs, k_free, v_free)
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
@@ -1028,7 +1016,7 @@ def backward_dq(
         return base + kv_steps
 
       total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-      _observe_releases(total, mcs, (k_free, v_free))
+      mosaic.observe_releases(total, mcs, k_free, v_free)
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
@@ -1441,7 +1429,7 @@ def backward_dkv(
         return base_step + total
 
       total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-      _observe_releases(total, mcs, (free,))
+      mosaic.observe_releases(total, mcs, free)
 
   scratch = [
     mosaic.smem_tile((wgs, bkv, h), dtype),
