@@ -747,16 +747,8 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       init = (jnp.int32(0), *fetch(0, cols))
       carry = lax.fori_loop(0, n_steps, body, init)
       loads = carry[0]
-      # Observe the last releases, so every barrier phase is consumed
-      # before the CTA exits (the interpreter checks; free on the GPU).
-
-      @pl.loop(jnp.maximum(loads - mcs, 0), loads)
-      def _(i):
-        plgpu.barrier_wait(kv_free.at[lax.rem(i, mcs)])
-
-      @pl.loop(jnp.maximum(n_steps - qs, 0), n_steps)
-      def _(j):
-        plgpu.barrier_wait(q_free.at[lax.rem(j, qs)])
+      mosaic.observe_releases(loads, mcs, kv_free)
+      mosaic.observe_releases(n_steps, qs, q_free)
 
   tile = mosaic.smem_tile
   scratch = [
@@ -1139,11 +1131,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
         return (lax.fori_loop(0, cur[W_STEPS], load, loads), *nxt)
 
       carry = lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
-      loads = carry[0]
-
-      @pl.loop(jnp.maximum(loads - mcs, 0), loads)
-      def _(i):
-        plgpu.barrier_wait(kv_free.at[lax.rem(i, mcs)])
+      mosaic.observe_releases(carry[0], mcs, kv_free)
 
   tile = mosaic.smem_tile
   scratch = [
