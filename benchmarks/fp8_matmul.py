@@ -396,8 +396,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       b.add(case, f"{name} (same size)", "TB/s", bw)
     same_bw = max(bws.values())
 
-  if quants:
-    b.run(f"{case} same-size copy", same_size_copy)
+  b.run(f"{case} same-size copy", same_size_copy)
 
   for block, hb in quants:
     label = f"kernel quantize {block[0]}x{block[1]}" + (f" H{hb}" if hb else "")

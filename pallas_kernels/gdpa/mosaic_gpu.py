@@ -117,7 +117,7 @@ persistent pass reads them back with K: `dQ = sum dS^T[tile]^T K[tile]`,
 one matmul per tile pair, no recomputation. The `dS` round trip costs
 `t n keys` bf16 twice; the dQ kernel read Q and dO and did 3 matmuls
 and the derivative. H200, B=32 x 2,048 queries over 256 keys, backward
-alone (2026-12-01): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
+alone (2026-11-30): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
 `dS^T` 0.313 ms of it).
 """
 
@@ -352,7 +352,7 @@ def ds_key_tiles(max_len_kv: int | None) -> int | None:
   """Static bound on a sequence's 64-row key tiles (lead rows included)."""
   if max_len_kv is None:
     return None
-  return max(1, -(-(max_len_kv + mosaic.ALIGN - 1) // 64))
+  return max(1, -(-(max_len_kv + mosaic.ALIGN - 1) // DS_ROWS))
 
 
 def use_dq_from_ds(bs, max_len_kv: int | None) -> bool:
@@ -390,6 +390,7 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
 MAX_Q_STAGES = 4  # Q ring depth chosen when `q_stages` is None
 MAX_KV_SPLIT = 4  # key parts chosen when `kv_split` is None
 DKV_ROWS = 128  # key rows per dK/dV CTA (two warpgroups of 64)
+DS_ROWS = DKV_ROWS // 2  # key rows of a dS^T tile: one dK/dV warpgroup's
 
 # Columns of the per-worker work table (`work_table`).
 (
@@ -766,10 +767,25 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   args = [wt, counts, q, k, v, k_side, v_side]
   if is_dq:
     args.append(do)
-  out_shape = (parts, t, n, h) if parts > 1 else (t, n, h)
+  return _run_query_side(
+    kernel, scratch, args, (t, n, h), dtype, parts, hpc, workers, static
+  )
+
+
+def _run_query_side(
+  kernel, scratch, args, shape, dtype, parts, hpc, workers, static
+):
+  """Launch a query-side kernel (`query_kernel`, `dq_from_ds`): persistent
+  CTAs `(n // hpc, workers)`, `hpc` consumer warpgroups and a producer;
+  output `shape` (`[t, n, h]`), or `[parts, t, n, h]` f32 split-K partials
+  (no softmax, so the parts simply add) summed into `dtype`."""
+  n = shape[1]
+  out_shape = (parts, *shape) if parts > 1 else shape
   out = plgpu.kernel(
     kernel,
-    out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+    out_type=jax.ShapeDtypeStruct(
+      out_shape, jnp.float32 if parts > 1 else dtype
+    ),
     scratch_types=scratch,
     grid=(n // hpc, workers),
     grid_names=("heads", "workers"),
@@ -778,7 +794,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
   )(*args)
-  if parts > 1:  # split-K: no softmax, so the parts simply add
+  if parts > 1:
     out = out.sum(axis=0).astype(dtype)
   return out
 
@@ -802,7 +818,7 @@ def backward_dkv(
   schedule, i.e. `items` built with `q_tile_start`), for `dq_from_ds`.
 
   The four wgmmas of a step run one after the other. (Tried, H200,
-  2026-12-01, B=32 x 2,048 queries over 256 keys, backward alone: `X^T`
+  2026-11-30, B=32 x 2,048 queries over 256 keys, backward alone: `X^T`
   with `dP^T`, then dV with dK, each pair in flight together, the
   activation during `dP^T`: 0.4496 vs 0.4422 ms with `dS^T` out, 0.5516
   vs 0.5652 ms with the dQ kernel; no gain beyond noise, removed.)
@@ -910,7 +926,8 @@ def backward_dkv(
         @pl.when(count > 0)
         def _():
           dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if with_ds:  # the last dS^T stores read their staging
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           if parts > 1:  # one f32 buffer: dK, then dV once it was read
             buf = dk_smem2.at[wg]
             for i, (val, dst) in enumerate(((dk, dk_ref), (dv, dv_ref))):
@@ -1031,7 +1048,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   dtype = k.dtype
   group = n // kh
   bs = static.block_sizes
-  bq, bkv = bs.block_q, 64
+  bq, bkv = bs.block_q, DS_ROWS
   mcs = bs.kv_stages + 2
   parts = kv_parts(
     dataclasses.replace(bs, block_kv=bkv),
@@ -1091,7 +1108,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
         acc = lax.fori_loop(0, steps, step, acc)
         part = cur[W_PART] if parts > 1 else None
         _store_query_tile(
-          acc, out_ref, o_smem.at[wg], of_smem and of_smem.at[wg], head,
+          acc, out_ref, o_smem.at[wg], of_smem.at[wg] if full else None, head,
           q_row, lo, hi, part, bq, out_dtype,
         )  # fmt: skip
         return (loads + steps, *nxt)
@@ -1142,18 +1159,14 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
     *([tile((hpc, bq, h), dtype)] if full else []),
   ]
-  out_shape = (parts, t, n, h) if parts > 1 else (t, n, h)
-  out = plgpu.kernel(
+  return _run_query_side(
     kernel,
-    out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-    scratch_types=scratch,
-    grid=(n // hpc, workers),
-    grid_names=("heads", "workers"),
-    num_threads=hpc + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
-    interpret=static.interpret,
-  )(wt, counts, k, k_side, ds)
-  if parts > 1:
-    out = out.sum(axis=0).astype(dtype)
-  return out
+    scratch,
+    (wt, counts, k, k_side, ds),
+    (t, n, h),
+    dtype,
+    parts,
+    hpc,
+    workers,
+    static,
+  )

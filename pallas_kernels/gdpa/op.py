@@ -77,7 +77,12 @@ def _bwd(static, res, do):
   from_ds = mg.use_dq_from_ds(bs, static.max_len_kv)
   if from_ds:
     q_items, q_sched = jmg.query_items(
-      q_off, kv_off, q.shape[0], block_q=bs.block_q, block_kv=64, causal=False
+      q_off,
+      kv_off,
+      q.shape[0],
+      block_q=bs.block_q,
+      block_kv=mg.DS_ROWS,
+      causal=False,
     )
     q_start = q_sched.tile_start_b
   else:
@@ -100,7 +105,7 @@ def _bwd(static, res, do):
     dk, dv, ds = mg.backward_dkv(
       q, k, v, do, q_side, do_side, items, static, parts, ds_tiles
     )
-    k_side = jmg.side_tiles(k, kv_off, 64)
+    k_side = jmg.side_tiles(k, kv_off, mg.DS_ROWS)
     dq = mg.dq_from_ds(
       k, k_side, ds, q_items, q_sched.num_items, static, q.shape[0]
     )
