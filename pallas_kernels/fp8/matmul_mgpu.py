@@ -173,12 +173,14 @@ def _kernel(
   # Chained pipelines: the memory warpgroup starts fetching a CTA's next
   # output tile while its compute warpgroups still work on this one (JAX's
   # "pipeline of pipelines"); otherwise each tile's pipeline drains and
-  # refills. That pays at short k: on the H200 (op defaults, same process)
-  # 65536 x 512 x 2048 (4 k-steps per tile) took 0.183 ms instead of 0.229,
-  # 65536 x 2048 x 512 (16 steps) 0.155 instead of 0.162, while at 4096
-  # (32 steps) it measured 4-6% slower. It needs whole rings per tile, and
-  # every program must own at least two tiles (one tile would be both the
-  # first and the last).
+  # refills. That pays at short k: on the H200 (op defaults, same process,
+  # medians of 4 interleaved runs, 2026-11-30) 65536 x 512 x 2048 (4
+  # k-steps per tile) took 0.183 ms instead of 0.228, 65536 x 2048 x 512
+  # (16 steps) 0.154 instead of 0.162, while at 4096 (32 steps) it read
+  # 0.608 vs 0.575 (2-9% slower per pair; it always ran second while the
+  # device slowed down, so possibly neutral). It needs whole rings per tile,
+  # and every program must own at least two tiles (one tile would be both
+  # the first and the last).
   tiles = m_iters * n_iters
   chained = (
     k_iters <= _CHAIN_MAX_K_STEPS
