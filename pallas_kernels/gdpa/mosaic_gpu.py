@@ -479,7 +479,7 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
   if parts > 1:
     real = jnp.broadcast_to(jnp.arange(num) < num_real // parts, (parts, num))
     key = jnp.where(real.reshape(-1), -table[:, W_STEPS] - 1, num + 1)
-    table = table[jnp.argsort(key, stable=True)]
+    table = table[schedule.stable_order(key)]
   dealt, counts = schedule.deal(parts * num, num_real, workers, chunk)
   wt = table[dealt]  # [w, j, cols]
   j = jnp.arange(1, dealt.shape[1], dtype=jnp.int32)

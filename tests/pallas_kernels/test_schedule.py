@@ -1,0 +1,35 @@
+"""Work-list helpers of pallas_kernels/schedule.py (pure jnp, any backend)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import schedule
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1057])
+@pytest.mark.parametrize("by_compare", [True, False])
+def test_stable_order_is_a_stable_argsort(n, by_compare):
+  # compare_max=-1: the long-list path (XLA's sort).
+  order = functools.partial(
+    schedule.stable_order, compare_max=4096 if by_compare else -1
+  )
+  rng = np.random.default_rng(n)
+  # Few distinct costs (many ties), negative keys, and the padding key.
+  key = rng.integers(-40, 3, n).astype(np.int32)
+  key[rng.random(n) < 0.2] = np.iinfo(np.int32).max
+  key = jnp.asarray(key)
+  jaxpr = str(jax.make_jaxpr(order)(key))
+  assert (" sort[" in jaxpr) == (not by_compare)
+  got = np.asarray(order(key))
+  np.testing.assert_array_equal(got, np.argsort(key, kind="stable"))
+
+
+def test_zigzag_balances_sorted_costs():
+  cost = np.sort(np.random.default_rng(0).integers(1, 100, 40))[::-1]
+  deal = np.asarray(schedule.zigzag_assignment(40, 8))
+  per_worker = [cost[col[col < 40]].sum() for col in deal.T]
+  assert max(per_worker) - min(per_worker) <= cost.max()
