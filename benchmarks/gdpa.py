@@ -177,10 +177,11 @@ def setup(case, q_lens, kv_lens, seed):
   q_off, kv_off = common.offsets(q_lens), common.offsets(kv_lens)
   sets = make_sets(q_off, kv_off, seed)
   q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
-  max_kv = int(kv_lens.max())
+  max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
   def ours(q, k, v, activation=ACT, tanh=TANH, bs=None):
-    # max_len_kv: the caller's bound, which also picks the key tile.
+    # The caller's static bounds: max_len_kv picks the key tile, max_len_q
+    # whether a short query side folds its heads into rows (pooled).
     return gdpa_mosaic(
       q,
       k,
@@ -189,6 +190,7 @@ def setup(case, q_lens, kv_lens, seed):
       kv_off_j,
       activation=activation,
       tanh=tanh,
+      max_len_q=max_q,
       max_len_kv=max_kv,
       block_sizes=bs,
       interpret=INTERPRET,
@@ -386,6 +388,7 @@ VARIANTS = [
   ("cross256", "dkv2", {"bs": BS(dkv_split=2)}, FWB),
   ("cross256", "dkv_stages3", {"bs": BS(dkv_stages=3)}, FWB),
   ("pooled", "default", {}, FB),
+  ("pooled", "nofold", {"bs": BS(fold_heads=False)}, FB),
   ("pooled", "poly", {"tanh": "poly"}, FB),
   ("cross16", "plan (XLA)", None, F),
   ("cross16", "q3", {"bs": BS(q_stages=3)}, F),

@@ -118,7 +118,8 @@ one matmul per tile pair, no recomputation. The `dS` round trip costs
 `t n keys` bf16 twice; the dQ kernel read Q and dO and did 3 matmuls
 and the derivative. H200, B=32 x 2,048 queries over 256 keys, backward
 alone (2026-11-30): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
-`dS^T` 0.313 ms of it).
+`dS^T` 0.313 ms of it); over 16 and 64 keys, forward+backward 0.2730 /
+0.2726 ms vs 0.3177 / 0.3149.
 """
 
 import dataclasses
@@ -165,6 +166,7 @@ class BlockSizes:
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   dq_from_ds: bool | None = None  # dQ from stored dS^T (`use_dq_from_ds`)
+  fold_heads: bool = True  # short query sides: heads into rows (op.py)
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):
@@ -342,10 +344,11 @@ def key_items(
   return jnp.stack(cols, axis=-1).reshape(-1, len(cols)).astype(jnp.int32)
 
 
-# dQ from dS^T by default for 3..5 key tiles of 64 (~129-256 keys): measured
-# at 256 keys; 16 and 64 keys (1-2 tiles) keep the dQ kernel until timed
-# (benchmarks/gdpa.py variants `cross16:ds`, `cross64:ds`).
-DS_KEY_TILES = (3, 5)
+# dQ from dS^T by default for 1..5 key tiles of 64 (up to ~256 keys). H200,
+# same process (benchmarks/gdpa.py variants `cross16:ds`, `cross64:ds`,
+# 2026-11-30): fwd+bwd 1.164x / 1.155x the dQ kernel's speed at 16 / 64
+# keys; 256 keys: backward 0.4496 vs 0.5652 ms (see the module docstring).
+DS_KEY_TILES = (1, 5)
 
 
 def ds_key_tiles(max_len_kv: int | None) -> int | None:

@@ -24,6 +24,43 @@ BlockSizes = mg.BlockSizes
 TANH_MODES = ("poly", "poly_unchecked", "exact")
 
 
+def fold_factor(group: int, max_len_q: int | None, block_q: int) -> int:
+  """How many query heads of a KV group to fold into rows (1: none).
+
+  GDPA has no softmax and no mask between rows, so the `g` query heads
+  that share a KV head can be relabelled as `g` times as many rows of
+  fewer heads: row `r` of head `j g + i` becomes row `r f + i % f` of
+  head `j (g / f) + i // f`. The math is unchanged (every row still meets
+  its own KV head's keys), but a short query side fills its tiles: pooled
+  attention's 16 queries use 16 of a tile's 64 rows per head, and folding
+  the 4 heads of a group makes one full tile that streams the keys once
+  instead of four times. `f` is the largest divisor of `g` with
+  `max_len_q * f <= block_q`; without the caller's `max_len_q` no fold.
+  """
+  if max_len_q is None:
+    return 1
+  rows = max(max_len_q, 1)
+  fits = [
+    f for f in range(1, group + 1) if group % f == 0 and rows * f <= block_q
+  ]
+  return max(fits, default=1)
+
+
+def _fold(x_tnh, f: int, kh: int):
+  """`[t, n, h]` -> `[t f, n / f, h]` (see `fold_factor`)."""
+  t, n, h = x_tnh.shape
+  x = x_tnh.reshape(t, kh, n // kh // f, f, h).transpose(0, 3, 1, 2, 4)
+  return x.reshape(t * f, n // f, h)
+
+
+def _unfold(x, f: int, kh: int):
+  """Inverse of `_fold`."""
+  tf, nf, h = x.shape
+  t = tf // f
+  x = x.reshape(t, f, kh, nf // kh, h).transpose(0, 2, 3, 1, 4)
+  return x.reshape(t, nf * f, h)
+
+
 def _query_side(static, q, k, v, do, q_off, kv_off):
   """Forward (`do is None`) or dQ on row-padded buffers."""
   bs = static.block_sizes
@@ -186,7 +223,11 @@ def gdpa_mosaic(
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+  f = fold_factor(n // kh, max_len_q, bs.block_q) if bs.fold_heads else 1
+  if f == 1:
+    return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+  o = _gdpa(static, _fold(q_tnh, f, kh), k_skh, v_skh, q_off * f, kv_off)
+  return _unfold(o, f, kh)
 
 
 def _reference(q, k, v, q_off, kv_off, *, tanh="exact", **kw):
