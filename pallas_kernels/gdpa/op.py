@@ -189,7 +189,8 @@ def gdpa_mosaic(
   exact tanh outside) or `"poly_unchecked"` (polynomial only: the caller
   guarantees the range); only `activation="gelu_tanh"` uses it.
   `max_len_kv` also picks the key tile when `block_sizes.block_kv` is None
-  (`mosaic_gpu.kv_block`). `interpret=None`
+  (`mosaic_gpu.kv_block`); `max_len_q` below 64 folds heads into rows
+  (`fold_factor`). `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
   """
@@ -270,7 +271,10 @@ def gdpa(
       exact tanh outside) or "poly_unchecked" (polynomial only; the caller
       bounds the scores); kernels only (the reference is exact).
     max_len_q, max_len_kv: static bounds on one sequence's length (the
-      reference pads to them; the kernels only check them).
+      reference pads to them). The kernels check them on concrete offsets
+      and tune by them: a short `max_len_q` folds a KV group's query heads
+      into rows (`fold_factor`), `max_len_kv` picks the key tile and the
+      dQ path.
     implementation: None (Mosaic GPU on a GPU when the shape is supported,
       else "xla"), "mosaic" or "xla".
 
