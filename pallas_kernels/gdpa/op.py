@@ -14,7 +14,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch, mosaic
+from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.reference import check_settings, gdpa_reference
 from pallas_kernels.jagged_attention import mosaic_gpu as jmg
@@ -22,43 +22,6 @@ from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
 TANH_MODES = ("poly", "poly_unchecked", "exact")
-
-
-def fold_factor(group: int, max_len_q: int | None, block_q: int) -> int:
-  """How many query heads of a KV group to fold into rows (1: none).
-
-  GDPA has no softmax and no mask between rows, so the `g` query heads
-  that share a KV head can be relabelled as `g` times as many rows of
-  fewer heads: row `r` of head `j g + i` becomes row `r f + i % f` of
-  head `j (g / f) + i // f`. The math is unchanged (every row still meets
-  its own KV head's keys), but a short query side fills its tiles: pooled
-  attention's 16 queries use 16 of a tile's 64 rows per head, and folding
-  the 4 heads of a group makes one full tile that streams the keys once
-  instead of four times. `f` is the largest divisor of `g` with
-  `max_len_q * f <= block_q`; without the caller's `max_len_q` no fold.
-  """
-  if max_len_q is None:
-    return 1
-  rows = max(max_len_q, 1)
-  fits = [
-    f for f in range(1, group + 1) if group % f == 0 and rows * f <= block_q
-  ]
-  return max(fits, default=1)
-
-
-def _fold(x_tnh, f: int, kh: int):
-  """`[t, n, h]` -> `[t f, n / f, h]` (see `fold_factor`)."""
-  t, n, h = x_tnh.shape
-  x = x_tnh.reshape(t, kh, n // kh // f, f, h).transpose(0, 3, 1, 2, 4)
-  return x.reshape(t * f, n // f, h)
-
-
-def _unfold(x, f: int, kh: int):
-  """Inverse of `_fold`."""
-  tf, nf, h = x.shape
-  t = tf // f
-  x = x.reshape(t, f, kh, nf // kh, h).transpose(0, 2, 3, 1, 4)
-  return x.reshape(t, nf * f, h)
 
 
 def _query_side(static, q, k, v, do, q_off, kv_off):
@@ -190,7 +153,7 @@ def gdpa_mosaic(
   guarantees the range); only `activation="gelu_tanh"` uses it.
   `max_len_kv` also picks the key tile when `block_sizes.block_kv` is None
   (`mosaic_gpu.kv_block`); `max_len_q` below 64 folds heads into rows
-  (`fold_factor`). `interpret=None`
+  (`schedule.fold_factor`). `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
   """
@@ -224,11 +187,12 @@ def gdpa_mosaic(
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  f = fold_factor(n // kh, max_len_q, bs.block_q) if bs.fold_heads else 1
-  if f == 1:
+  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q)
+  if f == 1 or not bs.fold_heads:
     return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
-  o = _gdpa(static, _fold(q_tnh, f, kh), k_skh, v_skh, q_off * f, kv_off)
-  return _unfold(o, f, kh)
+  q_fold = schedule.fold_heads(q_tnh, f, kh)
+  o = _gdpa(static, q_fold, k_skh, v_skh, q_off * f, kv_off)
+  return schedule.unfold_heads(o, f, kh)
 
 
 def _reference(q, k, v, q_off, kv_off, *, tanh="exact", **kw):
@@ -272,9 +236,9 @@ def gdpa(
       bounds the scores); kernels only (the reference is exact).
     max_len_q, max_len_kv: static bounds on one sequence's length (the
       reference pads to them). The kernels check them on concrete offsets
-      and tune by them: a short `max_len_q` folds a KV group's query heads
-      into rows (`fold_factor`), `max_len_kv` picks the key tile and the
-      dQ path.
+      and tune by them: a short `max_len_q` folds a KV group's query
+      heads into rows (`schedule.fold_factor`), `max_len_kv` picks the key
+      tile and the dQ path.
     implementation: None (Mosaic GPU on a GPU when the shape is supported,
       else "xla"), "mosaic" or "xla".
 

@@ -136,6 +136,7 @@ class BlockSizes:
   # (`_two_matmuls`, `_accumulate2`)
   bwd_registers: int = 232  # backward consumers' registers (the producer
   # gets 504 - 2x this: 40, or 24 with FA3's 240)
+  fold_heads: bool = True  # non-causal short query sides: heads into rows
   num_sms: int = 132  # H200; persistent CTAs = about this many
 
   def __post_init__(self):

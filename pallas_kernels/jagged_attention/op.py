@@ -12,7 +12,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch, mosaic
+from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
@@ -107,9 +107,11 @@ def jagged_attention_mosaic(
 ):
   """Mosaic GPU jagged attention (Hopper); same contract as the reference.
 
-  `max_len_q` / `max_len_kv` are only checked (on concrete offsets): the work
-  list is bounded by the buffer capacity. `interpret=None` compiles on a GPU
-  and runs GPU interpret mode elsewhere; `False` always compiles.
+  `max_len_q` / `max_len_kv` are checked on concrete offsets (the work list
+  is bounded by the buffer capacity); without `causal`, a `max_len_q` below
+  one query tile folds a KV group's heads into rows
+  (`schedule.fold_factor`). `interpret=None` compiles on a GPU and runs GPU
+  interpret mode elsewhere; `False` always compiles.
   """
   t, n, h = q_tnh.shape
   s, kh, _ = k_skh.shape
@@ -130,15 +132,22 @@ def jagged_attention_mosaic(
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:  # compile even off-GPU (cross-lowering checks)
     interpret = None
+  bs = block_sizes or BlockSizes.default(h)
   static = mg._Static(
     causal=causal,
     scale=float(h**-0.5 if scale is None else scale),
-    block_sizes=block_sizes or BlockSizes.default(h),
+    block_sizes=bs,
     interpret=interpret,
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  return _attention(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+  # Rows are independent without the causal mask (which reads positions).
+  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q)
+  if f == 1 or causal or not bs.fold_heads:
+    return _attention(static, q_tnh, k_skh, v_skh, q_off, kv_off)
+  q_fold = schedule.fold_heads(q_tnh, f, kh)
+  o = _attention(static, q_fold, k_skh, v_skh, q_off * f, kv_off)
+  return schedule.unfold_heads(o, f, kh)
 
 
 def mosaic_supports(q_tnh, k_skh) -> bool:

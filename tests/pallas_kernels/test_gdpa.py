@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch, schedule
-from pallas_kernels.gdpa import gdpa, gdpa_reference, op
+from pallas_kernels.gdpa import gdpa, gdpa_reference
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.op import IMPLEMENTATIONS, gdpa_mosaic
 from pallas_kernels.gdpa.reference import apply_activation
@@ -91,7 +91,7 @@ NARROW = mg.BlockSizes(
 )
 # Split-K: each query tile's keys in 3 parts (f32 partial outputs), and
 # dK/dV's query stream in 2.
-# Heads not folded into rows (`op.fold_factor`), so the pooled test below
+# Heads not folded into rows (`schedule.fold_factor`), so the pooled test below
 # runs one path each way.
 SPLIT = mg.BlockSizes(
   num_sms=2,
@@ -134,11 +134,12 @@ def test_pooled_attention_gelu_tanh_interpret(block_sizes):
   # not resident). Default scale on unit-normal inputs puts the GELU
   # inputs on both sides of the polynomial's range (fallback exercised).
   # RECOMPUTE_DQ takes the dQ kernel, on the 2 heads folded into rows
-  # (at most 3 queries: `op.fold_factor` 2). SPLIT (dQ from dS^T) cuts each
-  # query tile's keys in 3 parts of 32-row tiles (seq 0: 5 tiles -> parts
-  # of 1, 2, 2; seq 1: 7 keys, one tile -> two empty parts, which must
-  # still write their zero partials; seq 3 without keys), forward and dQ
-  # from dS^T (64-row key tiles: parts of 1, 1, 1) through f32 partials.
+  # (at most 3 queries: `schedule.fold_factor` 2). SPLIT (dQ from dS^T)
+  # cuts each query tile's keys in 3 parts of 32-row tiles (seq 0: 5
+  # tiles -> parts of 1, 2, 2; seq 1: 7 keys, one tile -> two empty parts,
+  # which must still write their zero partials; seq 3 without keys),
+  # forward and dQ from dS^T (64-row key tiles: parts of 1, 1, 1) through
+  # f32 partials.
   _check_case(
     [2, 1, 0, 3],
     [130, 7, 20, 0],
@@ -159,7 +160,7 @@ def test_pooled_attention_folds_heads_into_rows_interpret():
   # folds the group into rows (`fold_factor` 4: one 64-row tile per
   # sequence and KV head). Lengths 16 (a full folded tile), 1, 0 and 5;
   # seq 2 has queries but no keys, seq 3 keys but no queries.
-  assert op.fold_factor(4, 16, 64) == 4
+  assert schedule.fold_factor(4, 16, 64) == 4
   _check_case(
     [16, 1, 5, 0],
     [40, 3, 0, 9],
@@ -173,27 +174,6 @@ def test_pooled_attention_folds_heads_into_rows_interpret():
     normalize="hstu",
     block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2),
   )
-
-
-def test_fold_factor_and_layout():
-  assert op.fold_factor(4, 16, 64) == 4
-  assert op.fold_factor(4, 32, 64) == 2
-  assert op.fold_factor(4, 64, 64) == 1
-  assert op.fold_factor(3, 16, 64) == 3
-  assert op.fold_factor(6, 16, 64) == 3  # largest divisor that fits
-  assert op.fold_factor(4, None, 64) == 1
-  assert op.fold_factor(1, 2, 64) == 1
-  x = jnp.arange(5 * 8 * 3).reshape(5, 8, 3)
-  for f in (1, 2, 4):
-    y = op._fold(x, f, 2)
-    assert y.shape == (5 * f, 8 // f, 3)
-    np.testing.assert_array_equal(op._unfold(y, f, 2), x)
-    # Row r f + i % f of head j (g / f) + i // f is row r of head j g + i.
-    g = 4
-    for r, j, i in ((0, 0, 0), (3, 1, 2), (4, 1, 3)):
-      np.testing.assert_array_equal(
-        y[r * f + i % f, j * (g // f) + i // f], x[r, j * g + i]
-      )
 
 
 def test_self_attention_silu_hstu_odd_group_interpret():

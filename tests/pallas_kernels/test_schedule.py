@@ -33,3 +33,26 @@ def test_zigzag_balances_sorted_costs():
   deal = np.asarray(schedule.zigzag_assignment(40, 8))
   per_worker = [cost[col[col < 40]].sum() for col in deal.T]
   assert max(per_worker) - min(per_worker) <= cost.max()
+
+
+def test_fold_factor_and_layout():
+  assert schedule.fold_factor(4, 16, 64) == 4
+  assert schedule.fold_factor(4, 32, 64) == 2
+  assert schedule.fold_factor(4, 64, 64) == 1
+  assert schedule.fold_factor(3, 16, 64) == 3
+  assert schedule.fold_factor(6, 16, 64) == 3  # largest divisor that fits
+  assert schedule.fold_factor(4, 0, 64) == 4
+  assert schedule.fold_factor(4, None, 64) == 1
+  assert schedule.fold_factor(1, 2, 64) == 1
+  x = jnp.arange(5 * 8 * 3).reshape(5, 8, 3)
+  g = 4  # 8 query heads over 2 KV heads
+  for f in (1, 2, 4):
+    y = schedule.fold_heads(x, f, 2)
+    assert y.shape == (5 * f, 8 // f, 3)
+    np.testing.assert_array_equal(schedule.unfold_heads(y, f, 2), x)
+    for r, j, i in ((0, 0, 0), (3, 1, 2), (4, 1, 3)):
+      # Row r of head j g + i -> row r f + i % f of head j (g / f) + i // f,
+      # whose KV head ((j (g / f) + i // f) // (g / f)) is still j.
+      np.testing.assert_array_equal(
+        y[r * f + i % f, j * (g // f) + i // f], x[r, j * g + i]
+      )
