@@ -429,53 +429,43 @@ def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
     plgpu.copy_gmem_to_smem(ref.at[rows, kv_head], dst, bar)
 
 
-def _kv_stream(
-  k_ref,
-  v_ref,
-  side_k,
-  side_v,
-  smem,
-  bars,
-  free,
-  item,
-  bkv,
-  mcs,
-  kv_head,
-  base,
-  split=1,
+def _kv_producer(
+  n_items, item, refs, sides, smem, bars, free, *, bkv, mcs, kv_head, split=1
 ):
-  """Producer of the persistent forward and dQ kernels: stream one item's
-  key/value tiles into the ring, continuing its global step count `base`
-  (the ring runs on across items, so the next item's first tiles load
-  while the consumers finish the current one). Slot `g % mcs` of global
-  step `g` is reused once its consumers release it (steps `g >= mcs`).
-  `split`: as in `load_kv_tile`."""
-  kv_steps = item[1]
-  k_smem, v_smem = smem
-  k_bar, v_bar = bars
+  """Producer warpgroup of the persistent forward and dQ kernels: stream
+  the key/value tiles of this worker's `n_items` items into the ring, then
+  observe the consumers' last releases. `item(j)` -> (first packed row of
+  the key grid, key steps, key tiles in the grid, sequence) of item `j`.
+  The ring runs on across items (global step `g` = steps of the earlier
+  items + `i`), so the next item's first tiles load while the consumers
+  finish the current one; slot `g % mcs` is reused once its consumers
+  release it (steps `g >= mcs`). `split`: as in `load_kv_tile`."""
   k_free, v_free = free
 
-  def issue(ref, side, dst, bar, i, slot):
-    load_kv_tile(
-      ref, side, dst.at[slot], bar.at[slot], i, item, bkv, kv_head, split
-    )
+  def body(j, base):
+    fields = item(j)
+    kv_steps = fields[1]
 
-  @pl.loop(0, kv_steps)
-  def _(i):
-    g = base + i
-    slot = lax.rem(g, mcs)
+    @pl.loop(0, kv_steps)
+    def _(i):
+      g = base + i
+      slot = lax.rem(g, mcs)
+      for ref, side, dst, bar, rel in zip(
+        refs, sides, smem, bars, free, strict=True
+      ):
 
-    @pl.when(g >= mcs)
-    def _():
-      plgpu.barrier_wait(k_free.at[slot])
+        @pl.when(g >= mcs)
+        def _(rel=rel):
+          plgpu.barrier_wait(rel.at[slot])
 
-    issue(k_ref, side_k, k_smem, k_bar, i, slot)
+        load_kv_tile(
+          ref, side, dst.at[slot], bar.at[slot], i, fields, bkv, kv_head, split
+        )
 
-    @pl.when(g >= mcs)
-    def _():
-      plgpu.barrier_wait(v_free.at[slot])
+    return base + kv_steps
 
-    issue(v_ref, side_v, v_smem, v_bar, i, slot)
+  total = lax.fori_loop(0, n_items, body, jnp.int32(0))
+  mosaic.observe_releases(total, mcs, k_free, v_free)
 
 
 def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
@@ -700,26 +690,22 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def body(j, base):
+      def kv_item(j):
         fields, _, kv_steps = item(j)
-        _kv_stream(
-          k_ref,
-          v_ref,
-          ks_ref,
-          vs_ref,
-          (k_smem, v_smem),
-          (k_bar, v_bar),
-          (k_free, v_free),
-          (fields[4], kv_steps, fields[8], fields[9]),
-          bkv,
-          mcs,
-          kv_head,
-          base,
-        )
-        return base + kv_steps
+        return fields[4], kv_steps, fields[8], fields[9]
 
-      total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-      mosaic.observe_releases(total, mcs, k_free, v_free)
+      _kv_producer(
+        n_items,
+        kv_item,
+        (k_ref, v_ref),
+        (ks_ref, vs_ref),
+        (k_smem, v_smem),
+        (k_bar, v_bar),
+        (k_free, v_free),
+        bkv=bkv,
+        mcs=mcs,
+        kv_head=kv_head,
+      )
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
@@ -997,27 +983,23 @@ def backward_dq(
       regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
       plgpu.set_max_registers(regs, action="decrease")
 
-      def body(j, base):
+      def kv_item(j):
         fields, _, kv_steps, kv_grid = item(j)
-        _kv_stream(
-          k_ref,
-          v_ref,
-          ks_ref,
-          vs_ref,
-          (k_smem, v_smem),
-          (k_bar, v_bar),
-          (k_free, v_free),
-          (fields[4], kv_steps, kv_grid, fields[9]),
-          bkv,
-          mcs,
-          kv_head,
-          base,
-          split,
-        )
-        return base + kv_steps
+        return fields[4], kv_steps, kv_grid, fields[9]
 
-      total = lax.fori_loop(0, n_items, body, jnp.int32(0))
-      mosaic.observe_releases(total, mcs, k_free, v_free)
+      _kv_producer(
+        n_items,
+        kv_item,
+        (k_ref, v_ref),
+        (ks_ref, vs_ref),
+        (k_smem, v_smem),
+        (k_bar, v_bar),
+        (k_free, v_free),
+        bkv=bkv,
+        mcs=mcs,
+        kv_head=kv_head,
+        split=split,
+      )
 
   scratch = [
     mosaic.smem_tile((hpc, bq, h), dtype),
