@@ -335,17 +335,27 @@ def test_dispatch():
     (128, jnp.float16, False, False),
     (64, jnp.bfloat16, False, True),
     (128, jnp.bfloat16, True, True),
+    (128, jnp.bfloat16, False, "cands"),
   ],
-  ids=["d64", "d128-causal", "d128-fp16", "d64-cross", "d128-causal-cross"],
+  ids=[
+    "d64",
+    "d128-causal",
+    "d128-fp16",
+    "d64-cross",
+    "d128-causal-cross",
+    "d128-cands-folded",
+  ],
 )
 def test_gpu_matches_reference(h, dtype, causal, cross):
-  rng = np.random.default_rng(h + causal + 2 * cross)
+  rng = np.random.default_rng(h + causal + 2 * bool(cross))
   b = 12
   q_lens = rng.integers(1, 1100, b)
   q_lens[:3] = [0, 1, 2048]
   kv_lens = None
   if cross:
-    q_lens = rng.integers(0, 40, b)
+    # "cands": at most 16 queries, so the 4 heads of a KV group fold into
+    # rows (`schedule.fold_factor` 4); 40 do not fold.
+    q_lens = rng.integers(0, 17 if cross == "cands" else 40, b)
     kv_lens = rng.integers(0, 1500, b)
     kv_lens[:2] = [0, 2048]
   _check_case(
