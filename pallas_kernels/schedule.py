@@ -165,8 +165,8 @@ def stable_order(key, compare_max: int = RANK_BY_COMPARE_MAX):
       rank[j] = #{m : key[m] < key[j]} + #{m < j : key[m] == key[j]}
 
   (a permutation, since ties are broken by position), then scatters
-  `order[rank[j]] = j`: ~1-2 us and ~1 us on the H200. Longer lists use
-  XLA's sort.
+  `order[rank[j]] = j`: one kernel each, 2.1 us and 1.0 us in the cross16
+  forward's profile. Longer lists use XLA's sort.
   """
   n = key.shape[0]
   if n > compare_max:
@@ -215,6 +215,16 @@ def unfold_heads(x, f: int, kv_heads: int):
   tf, nf, h = x.shape
   x = x.reshape(tf // f, f, kv_heads, nf // kv_heads, h)
   return x.transpose(0, 2, 3, 1, 4).reshape(tf // f, nf * f, h)
+
+
+def with_folded_heads(attend, q_tnh, q_offsets, f: int, kv_heads: int):
+  """`attend(q, q_offsets)` on the heads folded into rows by `f` (rows
+  and offsets scaled by `f`), its `[t, n, h]` result unfolded; `f == 1`
+  calls it as is."""
+  if f == 1:
+    return attend(q_tnh, q_offsets)
+  out = attend(fold_heads(q_tnh, f, kv_heads), q_offsets * f)
+  return unfold_heads(out, f, kv_heads)
 
 
 def zigzag_assignment(num_items: int, num_workers: int) -> jax.Array:

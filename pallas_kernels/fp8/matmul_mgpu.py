@@ -176,11 +176,12 @@ def _kernel(
   # refills. That pays at short k: on the H200 (op defaults, same process,
   # medians of 4 interleaved runs, 2026-11-30) 65536 x 512 x 2048 (4
   # k-steps per tile) took 0.183 ms instead of 0.228, 65536 x 2048 x 512
-  # (16 steps) 0.154 instead of 0.162, while at 4096 (32 steps) it read
-  # 0.608 vs 0.575 (2-9% slower per pair; it always ran second while the
-  # device slowed down, so possibly neutral). It needs whole rings per tile,
-  # and every program must own at least two tiles (one tile would be both
-  # the first and the last).
+  # (16 steps) 0.154 instead of 0.162, while at 4096 (32 steps) it is
+  # slower: 0.608 vs 0.575 with chaining always second, then, with the
+  # order alternating, 0.532 / 0.591 / 0.588 / 0.576 vs 0.514 / 0.569 /
+  # 0.572 / 0.560 (kernel alone, x pre-quantized). It needs whole rings
+  # per tile, and every program must own at least two tiles (one tile would
+  # be both the first and the last).
   tiles = m_iters * n_iters
   chained = (
     k_iters <= _CHAIN_MAX_K_STEPS

@@ -499,6 +499,27 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
   return jnp.concatenate([wt, flags], axis=-1).astype(jnp.int32), counts
 
 
+def _deal_query_table(items, num_real, parts: int, groups: int, bs, mcs):
+  """`work_table` for a persistent query-side kernel: about `num_sms` CTAs
+  over all `groups` (head pairs), taking runs of up to `deal_chunk`
+  items (fewer when there are not two runs per CTA). Returns (CTAs per
+  group, table, real items per CTA)."""
+  num = parts * items.shape[0]
+  workers = schedule.persistent_workers(groups, bs.num_sms, num)
+  chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
+  wt, counts = work_table(items, num_real, parts, workers, chunk, mcs)
+  return workers, wt, counts
+
+
+def _table_row(wt_ref, w, j, cols):
+  """Columns `cols` of row `j` of worker `w`'s table (clamped to the last
+  row). Kernels read it one item ahead, so the loads are in flight while
+  the current tile computes, and each side reads only what it uses (the
+  producer runs on 40 registers)."""
+  jj = jnp.minimum(j, wt_ref.shape[1] - 1)
+  return tuple(wt_ref[w, jj, c] for c in cols)
+
+
 def _query_smem(hpc, q_stages, h, bs, dq, out_bytes, full):
   q_ring = q_stages * hpc * bs.block_q * h * 2 * (2 if dq else 1)
   kv_ring = bs.kv_stages * bs.block_kv * h * 2 * 2
@@ -577,11 +598,9 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   hpc, qs, full = query_layout(
     n, kh, h, bs, is_dq, jnp.dtype(out_dtype).itemsize
   )
-  num = parts * items.shape[0]
-  workers = schedule.persistent_workers(n // hpc, bs.num_sms, num)
-  chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
-  wt, counts = work_table(items, num_real, parts, workers, chunk, mcs)
-  per_worker = wt.shape[1]
+  workers, wt, counts = _deal_query_table(
+    items, num_real, parts, n // hpc, bs, mcs
+  )
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
 
@@ -603,12 +622,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
     kv_head = lax.div(hp * hpc, group)
 
     def fetch(j, cols):
-      """Columns `cols` of row j of this worker's table; read one item
-      ahead, so the loads are in flight while the current tile computes.
-      Each side reads only what it uses (the producer runs on 40
-      registers)."""
-      jj = jnp.minimum(j, per_worker - 1)
-      return tuple(wt_ref[w, jj, c] for c in cols)
+      return _table_row(wt_ref, w, j, cols)
 
     @pl.when(wg < hpc)
     def _consumer():
@@ -1063,11 +1077,9 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   out_dtype = jnp.float32 if parts > 1 else dtype
   hpc = 2 if group % 2 == 0 else 1
   full = bs.full_store and out_dtype == dtype
-  num = parts * items.shape[0]
-  workers = schedule.persistent_workers(n // hpc, bs.num_sms, num)
-  chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
-  wt, counts = work_table(items, num_real, parts, workers, chunk, 0)
-  per_worker = wt.shape[1]
+  workers, wt, counts = _deal_query_table(
+    items, num_real, parts, n // hpc, bs, 0
+  )
 
   def kernel(wt_ref, count_ref, k_ref, ks_ref, ds_ref, out_ref, *scratch):
     (k_smem, ds_smem, o_smem, kv_bar, kv_free) = scratch[:5]
@@ -1079,8 +1091,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
     kv_head = lax.div(hp * hpc, group)
 
     def fetch(j, cols):
-      jj = jnp.minimum(j, per_worker - 1)
-      return tuple(wt_ref[w, jj, c] for c in cols)
+      return _table_row(wt_ref, w, j, cols)
 
     @pl.when(wg < hpc)
     def _consumer():

@@ -187,12 +187,15 @@ def gdpa_mosaic(
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q)
-  if f == 1 or not bs.fold_heads:
-    return _gdpa(static, q_tnh, k_skh, v_skh, q_off, kv_off)
-  q_fold = schedule.fold_heads(q_tnh, f, kh)
-  o = _gdpa(static, q_fold, k_skh, v_skh, q_off * f, kv_off)
-  return schedule.unfold_heads(o, f, kh)
+  group = n // kh
+  f = schedule.fold_factor(group, max_len_q, bs.block_q) if bs.fold_heads else 1
+  return schedule.with_folded_heads(
+    lambda q, q_off: _gdpa(static, q, k_skh, v_skh, q_off, kv_off),
+    q_tnh,
+    q_off,
+    f,
+    kh,
+  )
 
 
 def _reference(q, k, v, q_off, kv_off, *, tanh="exact", **kw):

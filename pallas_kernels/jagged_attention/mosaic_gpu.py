@@ -434,8 +434,9 @@ def _kv_producer(
 ):
   """Producer warpgroup of the persistent forward and dQ kernels: stream
   the key/value tiles of this worker's `n_items` items into the ring, then
-  observe the consumers' last releases. `item(j)` -> (first packed row of
-  the key grid, key steps, key tiles in the grid, sequence) of item `j`.
+  observe the consumers' last releases. `item(j)` -> (the `query_items`
+  fields of item `j`, whether it has rows, its key steps, the key tiles
+  of its sequence's grid).
   The ring runs on across items (global step `g` = steps of the earlier
   items + `i`), so the next item's first tiles load while the consumers
   finish the current one; slot `g % mcs` is reused once its consumers
@@ -443,8 +444,8 @@ def _kv_producer(
   k_free, v_free = free
 
   def body(j, base):
-    fields = item(j)
-    kv_steps = fields[1]
+    fields, _, kv_steps, kv_grid = item(j)
+    kv_item = (fields[4], kv_steps, kv_grid, fields[9])
 
     @pl.loop(0, kv_steps)
     def _(i):
@@ -459,7 +460,7 @@ def _kv_producer(
           plgpu.barrier_wait(rel.at[slot])
 
         load_kv_tile(
-          ref, side, dst.at[slot], bar.at[slot], i, fields, bkv, kv_head, split
+          ref, side, dst.at[slot], bar.at[slot], i, kv_item, bkv, kv_head, split
         )
 
     return base + kv_steps
@@ -533,9 +534,10 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     def item(j):
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
       fields = _load_query_item(items_ref, it)
-      # Steps of this item: 0 when it has no valid rows (skipped).
+      # Steps of this item: 0 when it has no valid rows (skipped); its
+      # sequence's key tiles (the side tiles' first and last).
       hi_lo = fields[2] > fields[1]
-      return fields, hi_lo, jnp.where(hi_lo, fields[7], 0)
+      return fields, hi_lo, jnp.where(hi_lo, fields[7], 0), fields[8]
 
     def sched():
       if hpc == 2:
@@ -552,7 +554,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       def load_q(j):
         """Item j's Q tile into this warpgroup's buffer; issued once the
         previous item's last Q K^T wgmma has read it."""
-        (q_row, *_), _, _ = item(j)
+        (q_row, *_), _, _, _ = item(j)
 
         @pl.when(j < n_items)
         def _():
@@ -566,7 +568,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       load_q(0)
 
       def body(j, base):
-        fields, hi_lo, kv_steps = item(j)
+        fields, hi_lo, kv_steps, _ = item(j)
         (q_row, lo, hi, q_pos, _, kv_len, kv_lead, _, _, _, tile_id) = fields
         plgpu.barrier_wait(q_bar.at[wg])
 
@@ -689,14 +691,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     @pl.when(wg == hpc)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
-
-      def kv_item(j):
-        fields, _, kv_steps = item(j)
-        return fields[4], kv_steps, fields[8], fields[9]
-
       _kv_producer(
         n_items,
-        kv_item,
+        item,
         (k_ref, v_ref),
         (ks_ref, vs_ref),
         (k_smem, v_smem),
@@ -982,14 +979,9 @@ def backward_dq(
     def _memory():
       regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
       plgpu.set_max_registers(regs, action="decrease")
-
-      def kv_item(j):
-        fields, _, kv_steps, kv_grid = item(j)
-        return fields[4], kv_steps, kv_grid, fields[9]
-
       _kv_producer(
         n_items,
-        kv_item,
+        item,
         (k_ref, v_ref),
         (ks_ref, vs_ref),
         (k_smem, v_smem),

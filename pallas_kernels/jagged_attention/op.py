@@ -142,12 +142,15 @@ def jagged_attention_mosaic(
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
   # Rows are independent without the causal mask (which reads positions).
-  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q)
-  if f == 1 or causal or not bs.fold_heads:
-    return _attention(static, q_tnh, k_skh, v_skh, q_off, kv_off)
-  q_fold = schedule.fold_heads(q_tnh, f, kh)
-  o = _attention(static, q_fold, k_skh, v_skh, q_off * f, kv_off)
-  return schedule.unfold_heads(o, f, kh)
+  fold = bs.fold_heads and not causal
+  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q) if fold else 1
+  return schedule.with_folded_heads(
+    lambda q, q_off: _attention(static, q, k_skh, v_skh, q_off, kv_off),
+    q_tnh,
+    q_off,
+    f,
+    kh,
+  )
 
 
 def mosaic_supports(q_tnh, k_skh) -> bool:

@@ -1,6 +1,6 @@
 """What the attention-kernel tests share: one tolerance table, packed
-offsets from lengths, fresh random inputs, the relative error, and the
-race check.
+offsets from lengths, fresh random inputs, the relative error, the race
+check, and a record of the head folds an op makes.
 
 Relative Frobenius error bound of bf16/fp16 outputs and gradients against
 the f32 reference: one rounding of the inputs and outputs (2^-8 for bf16)
@@ -15,6 +15,8 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import schedule
 
 RACE_PARAMS = plgpu.InterpretGPUParams(detect_races=True)
 
@@ -64,3 +66,18 @@ def assert_no_races(attn, q, k, v, do):
 
   n, log = races(fwd_bwd, q, k, v)
   assert n == 0, f"{n} races:\n{log[:4000]}"
+
+
+def record_folds(monkeypatch) -> list[int]:
+  """The factors of every `schedule.fold_heads` call traced from now on
+  (the test's op folded its query heads into rows iff the list is not
+  empty)."""
+  folds = []
+  fold_heads = schedule.fold_heads
+
+  def spy(x, f, kv_heads):
+    folds.append(f)
+    return fold_heads(x, f, kv_heads)
+
+  monkeypatch.setattr(schedule, "fold_heads", spy)
+  return folds

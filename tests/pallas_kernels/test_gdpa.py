@@ -155,12 +155,12 @@ def test_pooled_attention_gelu_tanh_interpret(block_sizes):
   )
 
 
-def test_pooled_attention_folds_heads_into_rows_interpret():
+def test_pooled_attention_folds_heads_into_rows_interpret(monkeypatch):
   # 4 query heads per KV head and at most 16 queries per sequence: the op
   # folds the group into rows (`fold_factor` 4: one 64-row tile per
   # sequence and KV head). Lengths 16 (a full folded tile), 1, 0 and 5;
   # seq 2 has queries but no keys, seq 3 keys but no queries.
-  assert schedule.fold_factor(4, 16, 64) == 4
+  folds = cases.record_folds(monkeypatch)
   _check_case(
     [16, 1, 5, 0],
     [40, 3, 0, 9],
@@ -174,6 +174,7 @@ def test_pooled_attention_folds_heads_into_rows_interpret():
     normalize="hstu",
     block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2),
   )
+  assert folds == [4]
 
 
 def test_self_attention_silu_hstu_odd_group_interpret():

@@ -139,13 +139,14 @@ def test_causal_self_attention_interpret(block_sizes):
   [None, mg.BlockSizes(fold_heads=False)],
   ids=["heads_folded", "heads_apart"],
 )
-def test_cross_attention_odd_group_interpret(block_sizes):
+def test_cross_attention_odd_group_interpret(block_sizes, monkeypatch):
   # Few candidate queries over a longer history (stage 2), with the same
   # edge cases on the key side: a sequence with keys but no queries (zero
   # dK/dV), one with queries but no keys (zero output), length 1, a long one;
   # a group of 3 query heads per KV head (one head per CTA). At most 5
   # queries: by default the 3 heads fold into rows (`schedule.fold_factor`
   # 3), so each sequence's queries fill one tile per KV head.
+  folds = cases.record_folds(monkeypatch)
   _check_case(
     [3, 0, 5, 2, 1],
     [140, 7, 0, 64, 1],
@@ -158,6 +159,7 @@ def test_cross_attention_odd_group_interpret(block_sizes):
     seed=3,
     block_sizes=block_sizes,
   )
+  assert set(folds) == (set() if block_sizes else {3})
 
 
 def _surplus_identity(s_x, z):
