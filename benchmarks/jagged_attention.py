@@ -5,8 +5,11 @@
 B=32 sequences, Lmax=2048, 8 query / 2 KV heads, bf16, D=64 and 128; length
 mixes (a) log-normal (median 1100, sigma 0.6, capped at 2048), (b) uniform
 1..2048, (c) all 2048; plus cross-attention (2048 queries per sequence over
-256 keys). In one process: ours on the packed buffer (capacity = tokens + 64
-tail rows rounded up to 64, schedule built inside the timed call), cuDNN
+256 keys) and ranking candidates (16 queries per sequence over log-normal
+histories: the caller's `max_len_q=16` folds each KV group's 4 query heads
+into one 64-row tile, also timed with `fold_heads=False` as `mosaic_apart`).
+In one process: ours on the packed buffer (capacity = tokens + 64 tail rows
+rounded up to 64, schedule built inside the timed call), cuDNN
 `jax.nn.dot_product_attention(implementation="cudnn")` on the padded
 `[B, Lmax]` layout with per-sample lengths (the padded copy is made outside
 the timed call), and the XLA reference. Useful FLOPs only: `4 n h sum_b
@@ -21,6 +24,8 @@ other block sizes (`--tune`).
 """
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -45,6 +50,7 @@ B, LMAX, N, KH = 32, 2048, 8, 2
 DTYPE = jnp.bfloat16
 R = 4  # input sets per timed call
 TAIL = 64
+CANDS = 16  # candidate queries per sequence in the "cands" mix
 MAX_REL_ERR = 2e-2  # ours vs cuDNN (both bf16, f32 accumulation)
 CUDNN = "cudnn"
 INTERPRET = None
@@ -91,23 +97,39 @@ def make_sets(h, q_lens, kv_lens, seed):
 
 def run_case(h, mix, rng, args, records, extra):
   cross = mix == "cross"
-  q_lens = lengths(mix, rng)
-  lmax_kv = min(256, LMAX) if cross else LMAX
-  kv_lens = np.full(B, lmax_kv, np.int32) if cross else q_lens
+  if mix == "cands":
+    kv_lens = lengths("lognormal", rng)
+    q_lens = np.full(B, CANDS, np.int32)
+    lmax_q, lmax_kv = CANDS, LMAX
+  else:
+    q_lens = lengths(mix, rng)
+    lmax_q, lmax_kv = LMAX, (min(256, LMAX) if cross else LMAX)
+    kv_lens = np.full(B, lmax_kv, np.int32) if cross else q_lens
   q_off, kv_off, sets = make_sets(h, q_lens, kv_lens, seed=h + len(mix))
   flops = 4.0 * N * h * float(np.sum(q_lens.astype(np.float64) * kv_lens))
   case = f"D{h}_{mix}"
   q_off_j, kv_off_j = jnp.asarray(q_off), jnp.asarray(kv_off)
 
-  def ours(q, k, v):
-    return jagged_attention_mosaic(q, k, v, q_off_j, kv_off_j)
+  # The caller's static bounds, as a model passes them (max_len_q decides
+  # the head fold).
+  def ours(q, k, v, bs=None):
+    return jagged_attention_mosaic(
+      q,
+      k,
+      v,
+      q_off_j,
+      kv_off_j,
+      max_len_q=lmax_q,
+      max_len_kv=lmax_kv,
+      block_sizes=bs,
+    )
 
   def ref(q, k, v):
     return jagged_attention_reference(
-      q, k, v, q_off_j, kv_off_j, max_len_q=LMAX, max_len_kv=lmax_kv
+      q, k, v, q_off_j, kv_off_j, max_len_q=lmax_q, max_len_kv=lmax_kv
     )
 
-  padded = common.padded_sets(sets, q_off, kv_off, LMAX, lmax_kv)
+  padded = common.padded_sets(sets, q_off, kv_off, lmax_q, lmax_kv)
   cudnn = common.cudnn_padded(q_lens, kv_lens, CUDNN)
   # Jitted once: the check and the timed calls (R sets in one jit) reuse one
   # trace and one lowering of each kernel (compiles dominate a run).
@@ -120,7 +142,7 @@ def run_case(h, mix, rng, args, records, extra):
   # gradients (see `common.checked`: a failure is recorded, not raised).
   def check():
     q, k, v, do = sets[0]
-    valid_q = np.arange(LMAX)[None, :] < q_lens[:, None]
+    valid_q = np.arange(lmax_q)[None, :] < q_lens[:, None]
     valid_kv = np.arange(lmax_kv)[None, :] < kv_lens[:, None]
     got = list(ours_fb(*sets[0]))
     default_grads[:] = got[1:]  # what the tune variants are checked against
@@ -131,7 +153,7 @@ def run_case(h, mix, rng, args, records, extra):
       got,
       want,
       (q_off, q_off, kv_off, kv_off),
-      (LMAX, LMAX, lmax_kv, lmax_kv),
+      (lmax_q, lmax_q, lmax_kv, lmax_kv),
       (valid_q, valid_q, valid_kv, valid_kv),
       strict=True,
     ):
@@ -147,6 +169,15 @@ def run_case(h, mix, rng, args, records, extra):
   if errs is not None:
     times["mosaic", "fwd"] = common.time_sets(ours_fwd, sets)
     times["mosaic", "fwdbwd"] = common.time_sets(ours_fb, sets)
+    if mix == "cands":  # the head fold's worth: the same op, heads apart
+      apart = dataclasses.replace(mg.BlockSizes.default(h), fold_heads=False)
+      fn = functools.partial(ours, bs=apart)
+      times["mosaic_apart", "fwd"] = common.time_sets(
+        jax.jit(lambda q, k, v, do: fn(q, k, v)), sets
+      )
+      times["mosaic_apart", "fwdbwd"] = common.time_sets(
+        jax.jit(common.fwd_bwd(fn)), sets
+      )
   times["cudnn", "fwd"] = common.time_sets(cudnn_fwd, padded)
   times["cudnn", "fwdbwd"] = common.time_sets(cudnn_fb, padded)
   if not args.quick:
@@ -353,7 +384,9 @@ def main():
   parser.add_argument("--breakdown", action="store_true")
   parser.add_argument("--tune", action="store_true")
   parser.add_argument("--dims", default="128,64")
-  parser.add_argument("--mixes", default="lognormal,all2048,uniform,cross")
+  parser.add_argument(
+    "--mixes", default="lognormal,all2048,uniform,cross,cands"
+  )
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
   if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
