@@ -49,17 +49,17 @@ tiles need `r % 128 == 0` (else 64-row tiles are used). Shared memory:
 the Hadamard matrix only when one is applied (a smaller footprint lets more
 programs share an SM, which is what hides the memory latency here).
 
-Measured on the H200 (`benchmarks/fp8_matmul.py`, .notes/fp8.md; fraction
-of the copy bandwidth, 30 queued calls): 1x128 0.80 / 0.84 at 16384 x 4096 /
-65536 x 2048 in the final run (0.82 in the sweep; 0.76 when timed right
-after a burst of GEMMs), 1x128 + H128 0.69 / 0.82 (0.82 in the sweep); the
-grid form 0.78-0.80 and 0.69. The Hadamard form gains most from the ring,
-as its wgmma work (~17 us per SM under ~49 us of memory time) is spread
-over four workers instead of two programs. Its 0.69 at 16384 came right
-after the matmul benchmarks; the same configuration measured 0.82 in a
-fresh process and 0.82 at 65536 x 2048 later in the same run (cause not
-pinned down: clocks were not recorded). Spread of these figures: +-5%,
-that one excepted.
+Measured on the H200 (`benchmarks/fp8_matmul.py --quant-only`, four
+inputs per timed call, 2026-11-30; fraction of the copy bandwidth at
+16384 x 4096 / 65536 x 2048 / 65536 x 512): 1x128 0.87 / 0.90 / 0.76,
+1x128 + H128 0.85 / 0.86 / 0.76, 32x32 0.79 / 0.82 / 0.76, 32x32 + H32
+(then the grid form) 0.69 / 0.75 / 0.58, now the ring: 0.84 / - / 0.74 in
+the sweep. The Hadamard forms gain most from the ring, as their wgmma work
+(~17 us per SM under ~49 us of memory time at 16384 x 4096) is spread over
+four workers instead of two programs. The narrow input is moved in ~28 us,
+where launch and ramp weigh: a copy of the same size reaches 0.86 of the
+1 GiB one. Earlier figures timed one input per call, which at the narrow
+shape timed the host's dispatch (~32 us per call).
 """
 
 import functools
@@ -84,11 +84,17 @@ TILE_C = 128
 #                 1 stage, 2 output slots: 0.82 (grid form 0.69)
 #   32x32:        grid form, 64-row tiles, 2 stages (`_BASE`): 0.73
 #                 (ring 0.72)
+#   32x32 + H32:  as 1x128 + H128 (2026-11-30 session 6, four inputs per
+#                 timed call): 0.84 at 16384 x 4096 and 0.74 at 65536 x 512
+#                 (grid form 0.68 / 0.58; 3 warpgroups 0.84 / 0.73, other
+#                 rings 0.55-0.77 / 0.49-0.69)
 # `warpgroups=0` is the grid form.
 _BASE = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
+_HADAMARD_RING = dict(warpgroups=4, stages=1)
 _DEFAULTS = {
   ((1, 128), False): dict(warpgroups=1, ctas_per_sm=2, tile_r=128),
-  ((1, 128), True): dict(warpgroups=4, stages=1),
+  ((1, 128), True): _HADAMARD_RING,
+  ((32, 32), True): _HADAMARD_RING,
 }
 
 

@@ -486,9 +486,11 @@ def test_errors():
 @pytest.mark.parametrize(
   "block,hb,sr,num_sms,rows,tile",
   [
-    # The defaults (grid form for 32x32, ring form for 1x128).
+    # The defaults (grid form for 32x32, ring form for 1x128 and with a
+    # Hadamard transform).
     ((32, 32), None, False, 132, 192, {}),
     ((1, 128), 128, True, 132, 192, {}),
+    ((32, 32), 32, False, 132, 192, {}),
     ((1, 128), None, False, 1, 384, {}),
     # Grid form: one program walks a 3-step pipeline.
     ((32, 32), 32, True, 1, 192, dict(warpgroups=0)),
