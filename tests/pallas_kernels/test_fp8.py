@@ -657,6 +657,7 @@ _GRID = dict(warpgroups=0, tile_r=64, stages=2)
   [
     ((32, 32), None, False, {}),
     ((32, 32), 32, True, {}),
+    ((32, 32), 32, False, _GRID),
     ((1, 128), 128, False, {}),
     ((1, 128), None, False, {}),
     ((1, 128), 128, False, _GRID),
