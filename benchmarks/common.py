@@ -38,9 +38,14 @@ def time_sets(fn, sets, iters: int | None = None) -> float:
   `iters` lowers `TIMING["iters"]` (a slow reference).
   """
   n = TIMING["iters"] if iters is None else min(iters, TIMING["iters"])
-  batched = jax.jit(lambda sets: [fn(*s) for s in sets])
-  sec = device_time(batched, [(sets,)], calls=n, repeats=TIMING["repeats"])
+  sec = device_time(all_sets(fn), [(sets,)], calls=n, repeats=TIMING["repeats"])
   return sec / len(sets)
+
+
+def all_sets(fn):
+  """`fn(*set)` for every input set of a list, in one jitted call (the
+  program `time_sets` times: one dispatch for all of them)."""
+  return jax.jit(lambda sets: [fn(*s) for s in sets])
 
 
 def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
@@ -76,14 +81,17 @@ def copy_bandwidths(nbytes: int = 1 << 30, **timing) -> dict[str, float]:
     for i in range(2)
   ]
   moved = 2 * xs[0].nbytes
-  ops = {
-    "xla copy": jax.jit(jnp.copy),
-    "xla x+1": jax.jit(lambda x: x + jnp.asarray(1, x.dtype)),
-  }
   return {
-    name: moved / device_time(op, [(x,) for x in xs], **timing) / 1e12
-    for name, op in ops.items()
+    name: moved / device_time(jax.jit(op), [(x,) for x in xs], **timing) / 1e12
+    for name, op in COPY_OPS.items()
   }
+
+
+# The copy ceilings' ops: a plain copy and the simplest elementwise kernel.
+COPY_OPS = {
+  "xla copy": jnp.copy,
+  "xla x+1": lambda x: x + jnp.asarray(1, x.dtype),
+}
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, **timing) -> float:

@@ -61,23 +61,22 @@ def _time(fn, arg_sets) -> float:
 
 def _time_mem(fn, arg_sets) -> float:
   """Seconds per input of a memory-bound kernel: every input of `arg_sets`
-  in one jitted call (as `common.time_sets`), 30 calls queued. One input
-  per call timed the host instead at the narrow shapes: a 64 MiB input is
+  in one jitted call (`common.all_sets`), 30 calls queued. One input per
+  call timed the host instead at the narrow shapes: a 64 MiB input is
   quantized in ~28 us, under the ~32 us the host takes to dispatch one
   call (H200, 2026-11-30: 1x128 at 65536x512 40.3 us per call with one
-  input, 30.5 us per input with four, 27-28.5 us per kernel in a profile;
-  the 1 GiB copy ceiling reads the same either way, 515 us)."""
-  batched = jax.jit(lambda sets: [fn(*a) for a in sets])
-  return common.device_time(batched, [(arg_sets,)], calls=30) / len(arg_sets)
+  input, 30.5 us per input with four, 26.7-28.6 us per kernel in a
+  profile; the 1 GiB copy ceiling reads the same either way, 515 us)."""
+  sec = common.device_time(common.all_sets(fn), [(arg_sets,)], calls=30)
+  return sec / len(arg_sets)
 
 
-def _mem_inputs(m, k, sets):
-  """Four distinct `[m, k]` inputs for `_time_mem`: the two sets' `x` and
-  two more."""
-  more = [
-    jax.random.normal(jax.random.key(100 + s), (m, k), BF16) for s in (0, 1)
+def _mem_inputs(m, k):
+  """Four distinct bf16 `[m, k]` inputs (`(x,)` sets) for `_time_mem`."""
+  return [
+    (jax.random.normal(jax.random.key(100 + s), (m, k), BF16),)
+    for s in range(4)
   ]
-  return [(x,) for x in [s[0] for s in sets] + more]
 
 
 @jax.jit
@@ -399,13 +398,14 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       )
 
     b.run(f"{case} kernel kb={kb}", kernel_case)
-  bench_quantize(b, m, k, sets, copy_bw)
+  bench_quantize(b, m, k, n, copy_bw)
 
 
-def bench_quantize(b: Bench, m, k, sets, copy_bw):
-  """The quantize kernels alone (with and without Hadamard) against the
-  copy bandwidth, and the copy at the input's own size."""
-  case = f"{m}x{k}x{sets[0][1].shape[1]}"
+def bench_quantize(b: Bench, m, k, n, copy_bw):
+  """The quantize kernels alone (with and without Hadamard) on `[m, k]`
+  inputs against the copy bandwidth, and the copy at the input's own
+  size (recorded under the shape's case, `m x k x n`)."""
+  case = f"{m}x{k}x{n}"
   quants = [((32, 32), None), ((32, 32), 32), ((1, 128), None), ((1, 128), 128)]
   if QUICK:
     quants = quants[2:]
@@ -415,16 +415,13 @@ def bench_quantize(b: Bench, m, k, sets, copy_bw):
   # goal stays judged against the 1 GiB ceiling; this says how much of the
   # gap is the size). Timed as the quantize kernels are (`_time_mem`).
   same_bw = None
-  xs = _mem_inputs(m, k, sets)
+  xs = _mem_inputs(m, k)
 
   def same_size_copy():
     nonlocal same_bw
-    ops = {
-      "xla copy": jnp.copy,
-      "xla x+1": lambda x: x + jnp.asarray(1, x.dtype),
-    }
     bws = {
-      name: 2 * m * k * 2 / _time_mem(op, xs) / 1e12 for name, op in ops.items()
+      name: 2 * m * k * 2 / _time_mem(op, xs) / 1e12
+      for name, op in common.COPY_OPS.items()
     }
     for name, bw in bws.items():
       b.add(case, f"{name} (same size)", "TB/s", bw)
@@ -599,7 +596,7 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
   kernel at 16384 x 4096."""
   m, k = SHAPES[0][:2]
   case = f"quantize sweep {m}x{k}"
-  xs = _mem_inputs(m, k, [_inputs(m, k, 128, s) for s in (0, 1)])
+  xs = _mem_inputs(m, k)
   for (block, hb), configs in QUANT_SWEEP.items():
     rv, rs = ref.quantize_reference(xs[0][0], block=block, hadamard=hb)
     nbytes = 3 * m * k + 4 * m * (k // block[1])
@@ -728,7 +725,7 @@ def main(argv=None):
       bwd_shapes is not None and (m, k, n) not in bwd_shapes
     )
     if args.quant_only:
-      bench_quantize(b, m, k, [_inputs(m, k, n, s) for s in (0, 1)], copy_bw)
+      bench_quantize(b, m, k, n, copy_bw)
     else:
       bench_shape(b, m, k, n, copy_bw)
     _save(b.records, args.out)

@@ -217,10 +217,15 @@ def unfold_heads(x, f: int, kv_heads: int):
   return x.transpose(0, 2, 3, 1, 4).reshape(tf // f, nf * f, h)
 
 
-def with_folded_heads(attend, q_tnh, q_offsets, f: int, kv_heads: int):
-  """`attend(q, q_offsets)` on the heads folded into rows by `f` (rows
-  and offsets scaled by `f`), its `[t, n, h]` result unfolded; `f == 1`
-  calls it as is."""
+def with_folded_heads(
+  attend, q_tnh, q_offsets, kv_heads: int, *, max_len_q, block_q, enabled
+):
+  """`attend(q, q_offsets)` with the heads folded into rows by
+  `fold_factor(group, max_len_q, block_q)` when `enabled` (the caller's
+  rows are independent and it allows the fold): rows and offsets scaled by
+  `f`, the `[t, n, h]` result unfolded; `f == 1` calls it as is."""
+  group = q_tnh.shape[1] // kv_heads
+  f = fold_factor(group, max_len_q, block_q) if enabled else 1
   if f == 1:
     return attend(q_tnh, q_offsets)
   out = attend(fold_heads(q_tnh, f, kv_heads), q_offsets * f)

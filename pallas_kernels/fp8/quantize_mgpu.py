@@ -51,15 +51,15 @@ programs share an SM, which is what hides the memory latency here).
 
 Measured on the H200 (`benchmarks/fp8_matmul.py --quant-only`, four
 inputs per timed call, 2026-11-30; fraction of the copy bandwidth at
-16384 x 4096 / 65536 x 2048 / 65536 x 512): 1x128 0.87 / 0.90 / 0.76,
-1x128 + H128 0.85 / 0.86 / 0.76, 32x32 0.79 / 0.82 / 0.76, 32x32 + H32
-(then the grid form) 0.69 / 0.75 / 0.58, now the ring: 0.84 / - / 0.74 in
-the sweep. The Hadamard forms gain most from the ring, as their wgmma work
-(~17 us per SM under ~49 us of memory time at 16384 x 4096) is spread over
-four workers instead of two programs. The narrow input is moved in ~28 us,
-where launch and ramp weigh: a copy of the same size reaches 0.86 of the
-1 GiB one. Earlier figures timed one input per call, which at the narrow
-shape timed the host's dispatch (~32 us per call).
+16384 x 4096 / 65536 x 2048 / 65536 x 512, the records): 1x128 0.87 /
+0.89 / 0.78, 1x128 + H128 0.85 / 0.86 / 0.78, 32x32 0.82 / 0.81 / 0.76,
+32x32 + H32 0.84 / 0.88 / 0.74 (0.69 / 0.75 / 0.58 in the grid form, its
+default before). The Hadamard forms gain most from the ring, as their
+wgmma work (~17 us per SM under ~49 us of memory time at 16384 x 4096) is
+spread over four workers instead of two programs. The narrow input is
+moved in ~28 us, where launch and ramp weigh: a copy of the same size
+reaches 0.88 of the 1 GiB one. Earlier figures timed one input per call,
+which at the narrow shape timed the host's dispatch (~32 us per call).
 """
 
 import functools

@@ -187,14 +187,14 @@ def gdpa_mosaic(
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  group = n // kh
-  f = schedule.fold_factor(group, max_len_q, bs.block_q) if bs.fold_heads else 1
   return schedule.with_folded_heads(
     lambda q, q_off: _gdpa(static, q, k_skh, v_skh, q_off, kv_off),
     q_tnh,
     q_off,
-    f,
     kh,
+    max_len_q=max_len_q,
+    block_q=bs.block_q,
+    enabled=bs.fold_heads,
   )
 
 

@@ -141,15 +141,15 @@ def jagged_attention_mosaic(
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  # Rows are independent without the causal mask (which reads positions).
-  fold = bs.fold_heads and not causal
-  f = schedule.fold_factor(n // kh, max_len_q, bs.block_q) if fold else 1
   return schedule.with_folded_heads(
     lambda q, q_off: _attention(static, q, k_skh, v_skh, q_off, kv_off),
     q_tnh,
     q_off,
-    f,
     kh,
+    max_len_q=max_len_q,
+    block_q=bs.block_q,
+    # Rows are independent without the causal mask (which reads positions).
+    enabled=bs.fold_heads and not causal,
   )
 
 
