@@ -176,7 +176,11 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows):
     a = jnp.pad(a_mk, ((0, mp - rows), (0, kp - k)))
     b = jnp.pad(b_nk, ((0, np_ - n), (0, kp - k)))
     sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
-    sb = jnp.pad(sb_Jn, ((0, jp - sb_Jn.shape[0]), (0, np_ - n)))
+    sb = jnp.pad(sb_Jn, ((0, jp - sb_Jn.shape[0]), (0, 0)))
+    # Padded columns repeat the last scale: a 128-column group's scale
+    # stays uniform (`b_scale_uniform` reads it from the group's first 64
+    # entries, which zeros past n would break for n % 128 < 64).
+    sb = jnp.pad(sb, ((0, 0), (0, np_ - n)), mode="edge")
     out = matmul_mgpu.scaled_matmul_mgpu(
       a,
       sa,
