@@ -7,7 +7,9 @@ Run on the H200 from the repository root:
 For M x K x N in {16384x4096x4096, 65536x2048x512, 65536x512x2048}:
 
   forward   y = x w, x `[M, K]` bf16 activations quantized inside the timed
-            function, w `[K, N]` quantized once beforehand (once per step)
+            function (by the GEMM kernel itself where N <= 512, else by a
+            quantize pass first: both forms are rows), w `[K, N]`
+            quantized once beforehand (once per step)
   backward  dx, dw from dy `[M, N]` (the timed function is `jax.vjp`'s pull-
             back with the forward DCE'd; ours re-quantizes x for its residual)
 
@@ -302,6 +304,22 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       b.add(case, label, "fwd TFLOP/s", tflops(t))
 
   b.run(f"{case} prequantized fwd", prequantized_case)
+
+  def quantize_first_case():
+    """x quantized by its own pass, then the GEMM: the forward under
+    differentiation, and the plain forward where the GEMM does not
+    quantize x itself (n > op.QUANTIZE_IN_GEMM_MAX_N)."""
+    qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+    label = "ours deepseek, quantize pass + GEMM"
+    base(
+      label,
+      lambda x, wq: fp8.fp8_dot_general(
+        fp8.quantize(x, axis=1).detach(), wq, DN
+      ),
+      [(x, qw(w)) for x, w, _ in sets],
+    )
+
+  b.run(f"{case} quantize-first fwd", quantize_first_case)
 
   bwd_variants = [
     ("mxfp8", None, False),

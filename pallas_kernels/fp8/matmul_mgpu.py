@@ -44,6 +44,22 @@ side by side along `m` or `n`). The epilogue casts, stages in shared memory
 and stores by TMA.
 
 Shapes must be multiples of the CTA tile and of `tile_k` (the wrapper pads).
+
+Quantizing `a` in the kernel (`quantizing_matmul_mgpu`): `a` arrives as
+bf16 and is quantized in 1 x 128 blocks on its way to the wgmma, so it is
+read once instead of read, written as e4m3 and read again. Two quantizer
+warpgroups take the k-steps in turn: each waits for its bf16 tile (TMA),
+loads it into registers, takes the row maxima and power-of-two scales,
+writes e4m3 values and scales to shared memory, and signals the two
+compute warpgroups, which multiply as above. It pays only for narrow
+outputs: every 256 output columns quantize their `a` tile again, and one
+quantizer warpgroup alone was slower than the wgmmas (H200, session 7,
+at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
++ GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
+quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles
+and the hand-off cost too). Its results equal `scaled_matmul_mgpu`'s on
+the quantized `a` bit for bit. `op.py` uses it for the forward of
+products with at most 512 output columns.
 """
 
 import dataclasses
@@ -55,6 +71,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8 import format as fmt
 
 # Longest per-tile k loop whose pipeline is chained to the next tile's.
 _CHAIN_MAX_K_STEPS = 16
@@ -132,6 +150,38 @@ def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
   return bs
 
 
+def _store_tile(acc, out_smem, out_gmem, bs: BlockSizes):
+  """A warpgroup's `tile_m x tile_n` f32 accumulator to `out_gmem` (its
+  tile's window) through `out_smem` (`[slots, epi_m, epi_n]`), by TMA."""
+  acc = acc.astype(out_gmem.dtype)
+  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for mi in range(bs.tile_m // epi_m):
+    for ni in range(bs.tile_n // epi_n):
+      ms = slice(mi * epi_m, (mi + 1) * epi_m)
+      ns = slice(ni * epi_n, (ni + 1) * epi_n)
+      slot = (mi * (bs.tile_n // epi_n) + ni) % out_smem.shape[0]
+      # This slot's previous store must have read it.
+      plgpu.wait_smem_to_gmem(out_smem.shape[0] - 1, wait_read_only=True)
+      out_smem[slot] = acc[ms, ns]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[ms, ns])
+
+
+def _out_smem(bs: BlockSizes, out_dtype):
+  """Epilogue staging: two slots per compute warpgroup (one if a tile is a
+  single epilogue tile), swizzled for the TMA store."""
+  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
+  itemsize = jnp.dtype(out_dtype).itemsize
+  swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
+  transforms = (
+    plgpu.TilingTransform((8, swizzle // itemsize)),
+    plgpu.SwizzleTransform(swizzle),
+  )
+  slots = min(2, bs.tile_m * bs.tile_n // (epi_m * epi_n))
+  return plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=transforms)
+
+
 def _kernel(
   a_gmem,
   b_gmem,
@@ -159,13 +209,6 @@ def _kernel(
     plgpu.TilingTransform((8, swizzle)),
     plgpu.SwizzleTransform(swizzle),
   )
-  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
-  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
-  out_transforms = (
-    plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
-    plgpu.SwizzleTransform(out_swizzle),
-  )
-  num_out_slots = min(2, (tile_m * tile_n) // (epi_m * epi_n))
   # The operand both CTAs of a cluster read: multicast.
   share_b = ("cluster",) if bs.cluster_dimension == Dim.M else ()
   share_a = ("cluster",) if bs.cluster_dimension == Dim.N else ()
@@ -224,9 +267,7 @@ def _kernel(
     pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
       a_gmem, b_gmem, sa_gmem, sb_gmem
     ),
-    out_smem=plgpu.SMEM(
-      (2, num_out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms
-    ),
+    out_smem=_out_smem(bs, out_dtype),
     collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem):
@@ -258,20 +299,13 @@ def _kernel(
         acc0 = plgpu.layout_cast(
           jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
         )
-        acc = eval_pipeline(acc0).astype(out_dtype)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for mi in range(tile_m // epi_m):
-          for ni in range(tile_n // epi_n):
-            ms = slice(mi * epi_m, (mi + 1) * epi_m)
-            ns = slice(ni * epi_n, (ni + 1) * epi_n)
-            slot = (mi * (tile_n // epi_n) + ni) % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg_idx, slot] = acc[ms, ns]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-              out_smem.at[wg_idx, slot],
-              out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[ms, ns],
-            )
+        acc = eval_pipeline(acc0)
+        _store_tile(
+          acc,
+          out_smem.at[wg_idx],
+          out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n],
+          bs,
+        )
 
       def promote(acc, p, j, sa_smem, sb_smem):
         ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
@@ -344,6 +378,334 @@ def _kernel(
       )
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# ---------------------------------------------------------------------------
+# `a` quantized in the kernel.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizingBlockSizes:
+  """Tiles and rings of `quantizing_matmul_mgpu`; the defaults are the
+  H200 sweep's best (.notes/fp8.md, session 7). The CTA tile is
+  `tile_m x 2 tile_n` (the two compute warpgroups side by side along N,
+  sharing the quantized `a` tile), one k-block of 128 per step.
+  `stages_a`: bf16 `a` tiles in flight per quantizer (TMA -> quantizer),
+  `stages_b`: weight tiles in flight (TMA -> wgmma, a multiple of
+  `quantizers`); each quantizer has two slots of quantized tiles, so it
+  can work ahead of the wgmmas."""
+
+  tile_m: int = 64
+  tile_n: int = 128
+  stages_a: int = 2
+  stages_b: int = 2
+  grid_minor_dim: Dim = Dim.N
+  grid_tile_width: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  # Registers per thread (compute, quantizer) by setmaxnreg, or None. The
+  # launch gives each thread 65536 / threads (168 for 3 warpgroups, 128
+  # for 4); an increase waits until the decreases have freed enough, so
+  # the wrapper refuses a split that would hang.
+  registers: tuple[int, int] | None = (160, 96)
+  # Quantizer warpgroups, taking steps in turn: one alone quantizes slower
+  # than two compute warpgroups multiply (0.33 vs 0.24 ms at 65536 x 2048
+  # x 512 on the H200).
+  quantizers: int = 2
+
+
+def _quantize_rows(a_smem):
+  """A `[rows, 128]` bf16 tile -> (e4m3 values, float32 row scales) in
+  1 x 128 blocks: the values and power-of-two scales of `fp8.quantize`
+  (round to nearest even by the hardware cvt, as the quantize kernel)."""
+  af = plgpu.load(a_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(af), axis=1)
+  scale, inv = fmt.pow2_scale(amax)
+  q = (af * lax.broadcast_in_dim(inv, af.shape, [0])).astype(fmt.E4M3)
+  return q, scale
+
+
+def _quantizing_kernel(
+  a_gmem,
+  b_gmem,
+  sb_gmem,
+  out_gmem,
+  a_ring,
+  b_ring,
+  sb_ring,
+  qa_ring,
+  sa_ring,
+  out_smem,
+  a_full,
+  b_full,
+  b_free,
+  q_full,
+  q_free,
+  *,
+  bs: QuantizingBlockSizes,
+  b_scale_uniform: bool,
+  num_programs: int,
+):
+  m, k = a_gmem.shape
+  n = b_gmem.shape[0]
+  kb = 128
+  tile_m, tile_n = bs.tile_m, bs.tile_n
+  cta_n = 2 * tile_n
+  m_iters, n_iters, k_iters = m // tile_m, n // cta_n, k // kb
+  pid = lax.axis_index("sm")
+  wg = lax.axis_index("wg")
+  # This CTA's output tiles: pid, pid + P, ... (at least one: P <= tiles).
+  my_tiles = (m_iters * n_iters - 1 - pid) // num_programs + 1
+  steps = my_tiles * k_iters  # (tile, k-block) steps, in order
+
+  def tile_coords(t):
+    return plgpu.planar_snake(
+      pid + t * num_programs,
+      (m_iters, n_iters),
+      bs.grid_minor_dim,
+      bs.grid_tile_width,
+    )
+
+  nq = bs.quantizers
+  qslots = 2 * nq  # quantized tiles: two per quantizer (it works ahead)
+
+  def load_a(s, slot):
+    m_idx, _ = tile_coords(s // k_iters)
+    plgpu.copy_gmem_to_smem(
+      a_gmem.at[pl.ds(m_idx * tile_m, tile_m), pl.ds((s % k_iters) * kb, kb)],
+      a_ring.at[slot],
+      a_full.at[slot],
+    )
+
+  def load_b(s):
+    _, n_idx = tile_coords(s // k_iters)
+    slot = lax.rem(s, bs.stages_b)
+    kk = s % k_iters
+    cols = pl.ds(n_idx * cta_n, cta_n)
+    plgpu.copy_gmem_to_smem(
+      b_gmem.at[cols, pl.ds(kk * kb, kb)],
+      b_ring.at[slot],
+      b_full.at[slot],
+    )
+    plgpu.copy_gmem_to_smem(
+      sb_gmem.at[kk, cols], sb_ring.at[slot], b_full.at[slot]
+    )
+
+  @pl.when(wg >= 2)
+  def _quantizer():
+    """Quantizer `qi` takes steps `qi, qi + nq, ...`: their `a` and weight
+    TMAs, and the quantization of their `a` tiles. Weight slots and
+    quantized slots of a step belong to its quantizer (`stages_b % nq ==
+    0`), so every barrier slot has one waiter."""
+    qi = wg - 2
+    if bs.registers:
+      plgpu.set_max_registers(bs.registers[1], action="decrease")
+    mine = lambda s: lax.rem(s, nq) == qi
+    my_steps = (steps - 1 - qi) // nq + 1  # may be <= 0
+    a_slot = lambda j: qi * bs.stages_a + lax.rem(j, bs.stages_a)
+    for j in range(bs.stages_a):
+
+      @pl.when(j < my_steps)
+      def _(j=j):
+        load_a(qi + nq * j, a_slot(j))
+
+    for s in range(bs.stages_b):
+
+      @pl.when((s < steps) & mine(s))
+      def _(s=s):
+        load_b(s)
+
+    @pl.loop(0, jnp.maximum(my_steps, 0))
+    def _step(j):
+      s = qi + nq * j
+      qs = lax.rem(s, qslots)
+      plgpu.barrier_wait(a_full.at[a_slot(j)])
+
+      @pl.when(s >= qslots)
+      def _():
+        plgpu.barrier_wait(q_free.at[qs])  # its previous wgmmas are done
+
+      q, scale = _quantize_rows(a_ring.at[a_slot(j)])
+      qa_ring[qs] = q
+      sa_ring[qs] = scale
+      plgpu.commit_smem()  # (with a warpgroup barrier: every thread's)
+      plgpu.barrier_arrive(q_full.at[qs])
+
+      @pl.when(j + bs.stages_a < my_steps)
+      def _():
+        load_a(s + nq * bs.stages_a, a_slot(j))  # its reads are committed
+
+      # This quantizer's previous step's weights are replaced by those of
+      # `stages_b` steps later, once its wgmmas are done (step s is
+      # quantized meanwhile).
+      prev = s - nq
+
+      @pl.when((j >= 1) & (prev + bs.stages_b < steps))
+      def _():
+        plgpu.barrier_wait(b_free.at[lax.rem(prev, bs.stages_b)])
+        load_b(prev + bs.stages_b)
+
+    # Observe the last steps' releases too, so that every barrier ends in
+    # a phase its waiter has seen (the consumers are finishing anyway).
+    @pl.loop(jnp.maximum(steps - bs.stages_b, 0), steps)
+    def _(s):
+      @pl.when(mine(s))
+      def _():
+        plgpu.barrier_wait(b_free.at[lax.rem(s, bs.stages_b)])
+
+    @pl.loop(jnp.maximum(steps - qslots, 0), steps)
+    def _(s):
+      @pl.when(mine(s))
+      def _():
+        plgpu.barrier_wait(q_free.at[lax.rem(s, qslots)])
+
+  @pl.when(wg < 2)
+  def _compute():
+    if bs.registers:
+      plgpu.set_max_registers(bs.registers[0], action="increase")
+    wg_n = pl.ds(wg * tile_n, tile_n)
+
+    @pl.loop(0, my_tiles)
+    def _tile(t):
+      def k_step(kk, acc):
+        s = t * k_iters + kk
+        qs, slot = lax.rem(s, qslots), lax.rem(s, bs.stages_b)
+        plgpu.barrier_wait(q_full.at[qs])
+        plgpu.barrier_wait(b_full.at[slot])
+
+        def mma(p_ref):
+          plgpu.wgmma(
+            p_ref, qa_ring.at[qs], b_ring.at[slot, wg_n].transpose((1, 0))
+          )
+          return p_ref[...]
+
+        p = pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        ra = plgpu.load(sa_ring.at[qs], layout=_ROW)
+        if b_scale_uniform:
+          cs = plgpu.load(
+            sb_ring.at[slot, pl.ds(wg * tile_n, tile_m)], layout=_ROW
+          )
+          scale = lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
+        else:
+          cb = plgpu.load(sb_ring.at[slot, wg_n], layout=_COL)
+          scale = lax.broadcast_in_dim(
+            ra, (tile_m, tile_n), [0]
+          ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
+        plgpu.commit_smem()  # reads before the quantizer's / TMA's writes
+        plgpu.barrier_arrive(q_free.at[qs])
+        plgpu.barrier_arrive(b_free.at[slot])
+        return acc + p * scale
+
+      acc0 = plgpu.layout_cast(
+        jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
+      )
+      acc = lax.fori_loop(0, k_iters, k_step, acc0)
+      m_idx, n_idx = tile_coords(t)
+      _store_tile(
+        acc,
+        out_smem.at[wg],
+        out_gmem.at[
+          pl.ds(m_idx * tile_m, tile_m),
+          pl.ds(n_idx * cta_n + wg * tile_n, tile_n),
+        ],
+        bs,
+      )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "out_dtype",
+    "block_sizes",
+    "num_sms",
+    "interpret",
+    "b_scale_uniform",
+  ),
+)
+def quantizing_matmul_mgpu(
+  a_mk,
+  b_nk,
+  sb_Jn,
+  *,
+  out_dtype=jnp.bfloat16,
+  block_sizes: QuantizingBlockSizes = QuantizingBlockSizes(),
+  num_sms: int = 132,
+  interpret=False,
+  b_scale_uniform: bool = False,
+):
+  """`scaled_matmul_mgpu` with `a` bf16, quantized in the kernel in 1 x 128
+  blocks (the values and scales of `fp8.quantize`): `a` is read once, as
+  bf16, instead of quantized by a pass of its own. See "Quantizing `a` in
+  the kernel" in the module docstring. `b_nk` e4m3 and `sb_Jn` as in
+  `scaled_matmul_mgpu` with `kb = 128`."""
+  m, k = a_mk.shape
+  n, k2 = b_nk.shape
+  bs = block_sizes
+  kb = 128
+  cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
+  if a_mk.dtype != jnp.bfloat16:
+    raise TypeError(f"quantizing_matmul_mgpu: a must be bf16, got {a_mk.dtype}")
+  if k != k2 or m % cta_m or n % cta_n or k % kb:
+    raise ValueError(
+      f"quantizing_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit"
+      f" the tiles {cta_m}x{cta_n}x{kb}"
+    )
+  if sb_Jn.shape != (k // kb, n):
+    raise ValueError(f"scale shape {sb_Jn.shape}, want {(k // kb, n)}")
+  if b_scale_uniform and bs.tile_m > bs.tile_n:
+    b_scale_uniform = False
+  nq = bs.quantizers
+  if bs.stages_b % nq:
+    raise ValueError(f"stages_b={bs.stages_b} must be a multiple of {nq=}")
+  launch = 65536 // (128 * (2 + nq)) // 8 * 8  # registers per thread
+  c, q = bs.registers or (launch, launch)
+  if 2 * (c - launch) > nq * (launch - q):
+    raise ValueError(
+      f"registers {bs.registers}: the compute warpgroups' increase would wait"
+      " forever for registers the quantizers' decrease does not free"
+    )
+  # A persistent grid: no more programs than output tiles.
+  num_sms = min(num_sms, (m // cta_m) * (n // cta_n))
+  a_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  f8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  f8 = jnp.float8_e4m3fn
+  scratch = [
+    plgpu.SMEM((nq * bs.stages_a, cta_m, kb), jnp.bfloat16, transforms=a_tiles),
+    plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((bs.stages_b, cta_n), jnp.float32),
+    plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((2 * nq, cta_m), jnp.float32),
+    _out_smem(bs, out_dtype),
+    plgpu.Barrier(num_barriers=nq * bs.stages_a),  # a_full: 1 copy
+    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_full
+    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_free
+    plgpu.Barrier(num_barriers=2 * nq),  # q_full: a quantizer
+    plgpu.Barrier(num_arrivals=2, num_barriers=2 * nq),  # q_free: both
+  ]
+  kernel = functools.partial(
+    _quantizing_kernel,
+    bs=bs,
+    b_scale_uniform=b_scale_uniform,
+    num_programs=num_sms,
+  )
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    scratch_types=scratch,
+    grid=(num_sms,),
+    grid_names=("sm",),
+    num_threads=2 + nq,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+    ),
+    interpret=(
+      plgpu.InterpretGPUParams() if interpret is True else interpret or None
+    ),
+  )(a_mk, b_nk.astype(f8), sb_Jn.astype(jnp.float32))
 
 
 @functools.partial(

@@ -26,7 +26,11 @@ dimensions, and batch dimensions on raw operands (mapped with `jax.vmap`).
 Implementations (`implementation=`): "xla" (the `jnp` reference: dequantize,
 then an f32-accumulated dot) and "mosaic" (the Pallas kernels, in GPU
 interpret mode on CPU). `None` picks "mosaic" on GPU. Configurations a kernel
-does not cover fall back to the reference quantizer or product.
+does not cover fall back to the reference quantizer or product. A raw bf16
+`lhs` in the forward alone (not differentiated) of a product with at most
+`QUANTIZE_IN_GEMM_MAX_N` output columns is quantized inside the GEMM kernel
+(`matmul_mgpu.quantizing_matmul_mgpu`), with the same values and scales;
+under differentiation it is quantized first, since the backward keeps it.
 
 Error bound of the forward (tested): per element of `out`,
 |out - x.w| <= sum_k |x_k||w_k| (2 u + u^2) + subnormal terms, u = 2^-4
@@ -162,10 +166,17 @@ def _expand(s_RC, br: int, rows: int):
 
 
 @functools.cache
-def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows):
-  bs = matmul_mgpu.default_block_sizes(kb, out_dtype)
-  cta_m, cta_n = bs.cluster_tile()
-  kp = _round_up(k, bs.tile_k)
+def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
+  """The kernel on one product; `quantize_a`: `a` raw bf16 (no `sa` arg),
+  quantized in the kernel. Batched by folding into rows of `a`."""
+  if quantize_a:
+    bs = matmul_mgpu.QuantizingBlockSizes()
+    cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
+    tile_k = kb
+  else:
+    bs = matmul_mgpu.default_block_sizes(kb, out_dtype)
+    (cta_m, cta_n), tile_k = bs.cluster_tile(), bs.tile_k
+  kp = _round_up(k, tile_k)
   # 128 x 128 weight blocks: one column scale per warpgroup tile and k-block.
   uniform = b_rows % bs.tile_n == 0
 
@@ -173,48 +184,50 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows):
     rows = a_mk.shape[0]
     mp, np_ = _round_up(rows, cta_m), _round_up(n, cta_n)
     jp = kp // kb
+    # Zero padding (quantized to zeros with scale 2^-126) adds nothing.
     a = jnp.pad(a_mk, ((0, mp - rows), (0, kp - k)))
     b = jnp.pad(b_nk, ((0, np_ - n), (0, kp - k)))
-    sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
     sb = jnp.pad(sb_Jn, ((0, jp - sb_Jn.shape[0]), (0, 0)))
     # Padded columns repeat the last scale: a 128-column group's scale
     # stays uniform (`b_scale_uniform` reads it from the group's first 64
     # entries, which zeros past n would break for n % 128 < 64).
     sb = jnp.pad(sb, ((0, 0), (0, np_ - n)), mode="edge")
-    out = matmul_mgpu.scaled_matmul_mgpu(
-      a,
-      sa,
-      b,
-      sb,
-      kb=kb,
+    kw = dict(
       out_dtype=out_dtype,
       block_sizes=bs,
       interpret=_interpret(),
       b_scale_uniform=uniform,
     )
+    if quantize_a:
+      out = matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, **kw)
+    else:
+      sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
+      out = matmul_mgpu.scaled_matmul_mgpu(a, sa, b, sb, kb=kb, **kw)
     return out[:rows, :n]
 
+  def split(args):
+    """`f`'s arguments as (a, sa, b, sb); sa None when quantized here."""
+    return (args[0], None, *args[1:]) if quantize_a else tuple(args)
+
   @jax.custom_batching.custom_vmap
-  def f(a_mk, sa_Jm, b_nk, sb_Jn):
-    return one(a_mk, sa_Jm, b_nk, sb_Jn)
+  def f(*args):
+    return one(*split(args))
 
   @f.def_vmap
-  def _rule(axis_size, in_batched, a, sa, b, sb):
-    ab, sab, bb, sbb = in_batched
-    if ab and sab and not bb and not sbb:
+  def _rule(axis_size, in_batched, *args):
+    a, sa, b, sb = split(args)
+    ab, sab, bb, sbb = split(in_batched)
+    if ab and sab in (None, True) and not bb and not sbb:
       # Shared right operand: fold the batch into rows of the left one.
-      out = one(
-        a.reshape(axis_size * m, k),
-        jnp.moveaxis(sa, 0, 1).reshape(sa.shape[1], axis_size * m),
-        b,
-        sb,
-      )
+      if sa is not None:
+        sa = jnp.moveaxis(sa, 0, 1).reshape(sa.shape[1], axis_size * m)
+      out = one(a.reshape(axis_size * m, k), sa, b, sb)
       return out.reshape(axis_size, m, n), True
     bcast = lambda x, batched: (
       x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
     )
-    args = tuple(map(bcast, (a, sa, b, sb), in_batched))
-    return lax.map(lambda t: one(*t), args), True
+    args = tuple(map(bcast, args, in_batched))
+    return lax.map(lambda t: one(*split(t)), args), True
 
   return f
 
@@ -226,19 +239,57 @@ def _matmul_mosaic(a, b, out_dtype):
   kb = a_block[1]
   if kb != b_block[1] or kb not in (32, 64, 128) or 0 in (m, n, k):
     return _matmul_xla(a, b, out_dtype)
-  f = _matmul_kernel_fn(kb, jnp.dtype(out_dtype), m, n, k, b_block[0])
+  f = _matmul_kernel_fn(kb, jnp.dtype(out_dtype), m, n, k, b_block[0], False)
   return f(a_v, _expand(a_s, a_block[0], m), b_v, _expand(b_s, b_block[0], n))
+
+
+def _matmul_raw_lhs_xla(a_rc, a_q, b, out_dtype):
+  a_v, a_s = _quantize_2d_xla(a_rc, *a_q, None)
+  return _matmul_xla((a_v, a_s, a_q[0]), b, out_dtype)
+
+
+# Widest product whose forward quantizes `a` in its kernel. That kernel
+# quantizes each `a` tile once per 256 output columns, the separate pass
+# once in all: on the H200 (session 7, medians of 4 interleaved runs) the
+# kernel takes 0.244 ms at 65536 x 2048 x 512 against 0.269 for quantize +
+# GEMM, 0.441 vs 0.406 at N = 1024, 0.239 vs 0.244 at 65536 x 512 x 2048
+# and 0.91 vs 0.61 at 16384 x 4096 x 4096.
+QUANTIZE_IN_GEMM_MAX_N = 512
+
+
+def _matmul_raw_lhs_mosaic(a_rc, a_q, b, out_dtype):
+  """Quantized in the product's kernel where that is faster (bf16 in
+  1 x 128 blocks without a Hadamard transform, 128 x 128 weight blocks,
+  `n <= QUANTIZE_IN_GEMM_MAX_N`); else by the quantize kernel first."""
+  a_block, hadamard, _ = a_q
+  b_v, b_s, b_block = b
+  (m, k), n = a_rc.shape, b_v.shape[0]
+  if (
+    a_block != (1, 128)
+    or b_block != (128, 128)
+    or hadamard is not None
+    or a_rc.dtype != jnp.bfloat16
+    or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
+    or 0 in (m, k)
+  ):
+    a_v, a_s = _quantize_2d_mosaic(a_rc, *a_q, None)
+    return _matmul_mosaic((a_v, a_s, a_block), b, out_dtype)
+  f = _matmul_kernel_fn(128, jnp.dtype(out_dtype), m, n, k, 128, True)
+  return f(a_rc, b_v, _expand(b_s, 128, n))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Impl:
   quantize_2d: object
   matmul: object
+  # `matmul` with a raw left operand and how to quantize it,
+  # `a_q = (block, hadamard, hadamard_seed)` (round to nearest).
+  matmul_raw_lhs: object
 
 
 IMPLEMENTATIONS = {
-  "xla": _Impl(_quantize_2d_xla, _matmul_xla),
-  "mosaic": _Impl(_quantize_2d_mosaic, _matmul_mosaic),
+  "xla": _Impl(_quantize_2d_xla, _matmul_xla, _matmul_raw_lhs_xla),
+  "mosaic": _Impl(_quantize_2d_mosaic, _matmul_mosaic, _matmul_raw_lhs_mosaic),
 }
 
 
@@ -346,6 +397,7 @@ class _Cfg:
   implementation: str | None
   grad_lhs: bool  # whether lhs / rhs carry a source to differentiate
   grad_rhs: bool
+  lhs_raw: bool  # lhs is quantized by the product (`_mm` gets no values)
 
 
 def _hadamard_undo(x, cfg):
@@ -356,13 +408,28 @@ def _hadamard_undo(x, cfg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
-  del a_src, b_src, key
-  return _pick(cfg.implementation).matmul(
-    (a_v, a_s, cfg.a_block), (b_v, b_s, cfg.b_block), cfg.out_dtype
-  )
+  """The product; `a_v = a_s = None`: `a_src` raw, quantized on the way
+  (in the product's kernel where it can, see `_matmul_raw_lhs_mosaic`)."""
+  del b_src, key
+  impl = _pick(cfg.implementation)
+  b = (b_v, b_s, cfg.b_block)
+  if a_v is None:
+    return impl.matmul_raw_lhs(a_src, _a_quant(cfg), b, cfg.out_dtype)
+  return impl.matmul((a_v, a_s, cfg.a_block), b, cfg.out_dtype)
+
+
+def _a_quant(cfg):
+  return (cfg.a_block, cfg.hadamard, cfg.hadamard_seed)
 
 
 def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
+  if a_v is None:
+    # Differentiated: `a` is quantized first, as its values are the
+    # backward's residuals (a product that quantizes `a` itself keeps
+    # none, and quantizing again in the backward would cost the pass back).
+    a_v, a_s = _pick(cfg.implementation).quantize_2d(
+      a_src, *_a_quant(cfg), None
+    )
   out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
   return out, (a_v, a_s, b_v, b_s, key)
 
@@ -430,7 +497,8 @@ def _mm_bwd(cfg, res, g_mn):
       )
     db = _hadamard_undo(db, cfg).astype(cfg.b_dtype)
   zeros = jnp.zeros_like
-  return (zeros(a_v), zeros(a_s), da, zeros(b_v), zeros(b_s), db, None)
+  za = (None, None) if cfg.lhs_raw else (zeros(a_v), zeros(a_s))
+  return (*za, da, zeros(b_v), zeros(b_s), db, None)
 
 
 _mm.defvjp(_mm_fwd, _mm_bwd)
@@ -441,11 +509,29 @@ _mm.defvjp(_mm_fwd, _mm_bwd)
 # ---------------------------------------------------------------------------
 
 
+def _to_quantize(x, axis: int, block) -> Fp8Tensor:
+  """`x` as an `Fp8Tensor` still to be quantized (no values or scales):
+  the product quantizes it, round to nearest, no Hadamard transform."""
+  return Fp8Tensor(
+    values=None,
+    scales=None,
+    source=x,
+    shape=tuple(x.shape),
+    axis=axis % x.ndim,
+    block=tuple(block),
+    hadamard=None,
+    hadamard_seed=0,
+    dtype=jnp.dtype(x.dtype),
+  )
+
+
 def _as_matrix(t: Fp8Tensor):
   r, c = t.matrix_shape
   src = None
   if t.source is not None:
     src = jnp.moveaxis(t.source, t.axis, -1).reshape(r, c)
+  if t.values is None:
+    return None, None, src
   return t.values.reshape(r, c), t.scales, src
 
 
@@ -544,7 +630,11 @@ def _dot_unbatched(
     implementation=implementation,
   )
   if not isinstance(lhs, Fp8Tensor):
-    lhs = quantize(lhs, axis=lc, kind="activation", **qkw)
+    if hadamard is None:
+      # Quantized by the product itself (in its kernel where it can).
+      lhs = _to_quantize(lhs, lc, fmt.get_format(format).activation_block)
+    else:
+      lhs = quantize(lhs, axis=lc, kind="activation", **qkw)
   if not isinstance(rhs, Fp8Tensor):
     rhs = quantize(rhs, axis=rc, kind="weight", **qkw)
   lc, rc = lc % len(lhs.shape), rc % len(rhs.shape)
@@ -578,6 +668,7 @@ def _dot_unbatched(
     implementation=implementation,
     grad_lhs=lhs.source is not None,
     grad_rhs=rhs.source is not None,
+    lhs_raw=lhs.values is None,
   )
   a_v, a_s, a_src = _as_matrix(lhs)
   b_v, b_s, b_src = _as_matrix(rhs)

@@ -140,3 +140,19 @@ def test_fp8_matmul(kb, op_default, m, k, n):
     _spec((k // kb, n), jnp.float32),
     kernels=1,
   )
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("m,k,n", [(65536, 2048, 512), (16384, 4096, 4096)])
+def test_fp8_quantizing_matmul(m, k, n, uniform):
+  """`a` quantized in the GEMM (two quantizer warpgroups, setmaxnreg)."""
+  f = lambda a, b, sb: matmul_mgpu.quantizing_matmul_mgpu(
+    a, b, sb, b_scale_uniform=uniform, interpret=False
+  )
+  _lowers_for_cuda(
+    f,
+    _spec((m, k)),
+    _spec((n, k), jnp.float8_e4m3fn),
+    _spec((k // 128, n), jnp.float32),
+    kernels=1,
+  )

@@ -15,7 +15,9 @@ interpret mode at small shapes; `-m gpu` tests compile the kernels on the
 H200 at real shapes.
 """
 
+import contextlib
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import fp8
 from pallas_kernels.fp8 import format as fmt
@@ -586,6 +589,115 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
   )
 
 
+_QB = matmul_mgpu.QuantizingBlockSizes
+
+
+@pytest.mark.parametrize(
+  "m,k,n,num_sms,bs,uniform",
+  [
+    # The default: two quantizers taking the steps in turn; two programs,
+    # two output tiles each, three k-steps per tile.
+    (128, 384, 512, 2, _QB(), True),
+    # One quantizer, 3-deep weight ring, weight scales per column; one
+    # program walks all three tiles.
+    (192, 640, 256, 1, _QB(quantizers=1, stages_b=3), False),
+    # One bf16 tile in flight per quantizer, fewer steps than ring slots.
+    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4), True),
+  ],
+)
+def test_quantizing_matmul_interpret_equals_reference(
+  m, k, n, num_sms, bs, uniform
+):
+  a = _data(jax.random.key(41), (m, k), jnp.bfloat16)
+  # A subnormal e4m3 result, zeros, and an all-zero block (scale 2^-126).
+  a = a.at[0, :4].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], a.dtype))
+  a = a.at[1, :128].set(0)
+  b = _data(jax.random.key(42), (n, k))
+  bblk = (128, 128) if uniform else (1, 128)
+  bv, bs_ = ref.quantize_reference(b, block=bblk)
+  out = matmul_mgpu.quantizing_matmul_mgpu(
+    a,
+    bv,
+    jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
+    out_dtype=jnp.float32,
+    interpret=True,
+    num_sms=num_sms,
+    block_sizes=bs,
+    b_scale_uniform=uniform,
+  )
+  av, as_ = ref.quantize_reference(a, block=(1, 128))
+  want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, bblk)
+  np.testing.assert_allclose(
+    out, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
+  )
+
+
+def test_quantizing_matmul_is_race_free():
+  """The quantizers' hand-offs under the interpreter's race detector."""
+  a = _data(jax.random.key(43), (128, 384), jnp.bfloat16)
+  bv, bs_ = ref.quantize_reference(
+    _data(jax.random.key(44), (512, 384)), block=(128, 128)
+  )
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log):
+    jax.block_until_ready(
+      matmul_mgpu.quantizing_matmul_mgpu(
+        a,
+        bv,
+        jnp.repeat(bs_.T, 128, axis=1),
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+        num_sms=2,
+        b_scale_uniform=True,
+      )
+    )
+  assert "RACE DETECTED" not in log.getvalue(), log.getvalue()[:4000]
+
+
+def _close_bf16(got, want):
+  """bf16 results of the same quantized operands whose f32 sums differ
+  only in order: a bf16 step (2^-8 relative) apart at most."""
+  a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+def test_op_forward_quantizes_in_the_gemm_only_undifferentiated(monkeypatch):
+  """A raw bf16 lhs with n <= 512 output columns: the forward alone runs
+  the quantizing kernel; differentiated, `x` is quantized first (its
+  values are the backward's residuals). Results equal the reference."""
+  calls = []
+  kernel = matmul_mgpu.quantizing_matmul_mgpu
+
+  def spy(*args, **kwargs):
+    calls.append(args[0].shape)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(matmul_mgpu, "quantizing_matmul_mgpu", spy)
+  x = _data(jax.random.key(45), (70, 256), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(46), (256, 300), jnp.bfloat16, spread=1.0)
+  g = _data(jax.random.key(47), (70, 300), jnp.bfloat16, spread=1.0)
+  f = functools.partial(fp8.fp8_dot_general, dimension_numbers=DN)
+  got = f(x, w, implementation="mosaic")
+  assert calls == [(128, 256)]  # rows padded to the 64-row tile
+  want = f(x, w, implementation="xla")
+  _close_bf16(got, want)
+  o1, grads1 = _grads(functools.partial(f, implementation="mosaic"), x, w, g)
+  assert calls == [(128, 256)]
+  o2, grads2 = _grads(functools.partial(f, implementation="xla"), x, w, g)
+  for a, b in ((o1, o2), *zip(grads1, grads2, strict=True)):
+    _close_bf16(a, b)
+  # Wider outputs quantize first.
+  f(x, jnp.concatenate([w, w], axis=1), implementation="mosaic")
+  assert calls == [(128, 256)]
+  # Under vmap with a shared weight the batch folds into rows of x.
+  xs = jnp.stack([x[:64], x[6:]])
+  got = jax.vmap(functools.partial(f, implementation="mosaic"), (0, None))(
+    xs, w
+  )
+  assert calls[-1] == (128, 256)  # 2 x 64 rows in one kernel call
+  want = jax.vmap(functools.partial(f, implementation="xla"), (0, None))(xs, w)
+  _close_bf16(got, want)
+
+
 # n = 300: the last 128-column group has 44 real columns, fewer than the
 # 64 scale entries the kernel reads for it (they were zero-padded once,
 # zeroing rows 44-63 of those columns).
@@ -713,6 +825,23 @@ def test_gpu_dot_general_matches_reference(format, m, k, n):
   assert rel(o2, o1) < 1e-2 and rel(dx2, dx1) < 1e-2 and rel(dw2, dw1) < 1e-2
   exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
   assert rel(o2, exact) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8000, 2048, 512), (4096, 640, 300)])
+def test_gpu_quantizing_gemm_equals_quantize_first(m, k, n):
+  """The forward's in-GEMM quantization (n <= 512) against quantizing x
+  first: the same values and scales, the same sums, bit for bit."""
+  x = _data(jax.random.key(48), (m, k), jnp.bfloat16, spread=0.5)
+  w = _data(jax.random.key(49), (k, n), jnp.bfloat16, spread=0.5)
+  wq = fp8.quantize(w, axis=0, kind="weight").detach()
+  got = jax.jit(lambda x, wq: fp8.fp8_dot_general(x, wq, DN))(x, wq)
+  want = jax.jit(
+    lambda x, wq: fp8.fp8_dot_general(fp8.quantize(x, axis=1).detach(), wq, DN)
+  )(x, wq)
+  np.testing.assert_array_equal(
+    np.asarray(got, np.float32), np.asarray(want, np.float32)
+  )
 
 
 def test_dispatch_picks_xla_on_cpu():
