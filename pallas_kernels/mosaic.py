@@ -111,16 +111,16 @@ def produce_ring(total, stages: int, free, issue):
   observe_releases(total, stages, free)
 
 
-def observe_releases(total, stages: int, *frees):
+def observe_releases(total, stages: int, *frees, base=0):
   """A producer waits out the consumers' releases of the last `stages` of
   its `total` (dynamic) loads through a ring of `stages` slots (`frees`:
-  one barrier array per ring, indexed by slot), so every barrier phase is
-  consumed before the CTA exits (the interpreter checks this; on the GPU
-  it costs nothing)."""
+  one barrier array per ring, slot `i` at index `base + i`), so every
+  barrier phase is consumed before the CTA exits (the interpreter checks
+  this; on the GPU it costs nothing)."""
 
   @pl.loop(jnp.maximum(total - stages, 0), total)
   def _(j):
-    slot = lax.rem(j, stages)
+    slot = base + lax.rem(j, stages)
     for free in frees:
       plgpu.barrier_wait(free.at[slot])
 

@@ -72,7 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8 import format as fmt
+from pallas_kernels import mosaic
+from pallas_kernels.fp8 import quantize_mgpu
 
 # Longest per-tile k loop whose pipeline is chained to the next tile's.
 _CHAIN_MAX_K_STEPS = 16
@@ -148,6 +149,22 @@ def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
     # A 64 x 256 CTA tile's f32 epilogue buffers leave room for 3 stages.
     bs = dataclasses.replace(bs, max_concurrent_steps=3)
   return bs
+
+
+def _block_scale(ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
+  """The `[tile_m, tile_n]` scale of one k-block's product: row scales `ra`
+  (wgmma row layout) times the weight scales of columns `n0 ..` of
+  `sb_cols` (a 1-D smem ref). `uniform` (128 x 128 weight blocks: one scale
+  for all of a warpgroup's columns) folds that scale into the row scales,
+  so the promotion is one FMA per element; the first `tile_m` entries are
+  read as a row vector, which needs `tile_m <= tile_n`."""
+  if uniform and tile_m <= tile_n:
+    cs = plgpu.load(sb_cols.at[pl.ds(n0, tile_m)], layout=_ROW)
+    return lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
+  cb = plgpu.load(sb_cols.at[pl.ds(n0, tile_n)], layout=_COL)
+  return lax.broadcast_in_dim(ra, (tile_m, tile_n), [0]) * lax.broadcast_in_dim(
+    cb, (tile_m, tile_n), [1]
+  )
 
 
 def _store_tile(acc, out_smem, out_gmem, bs: BlockSizes):
@@ -309,17 +326,9 @@ def _kernel(
 
       def promote(acc, p, j, sa_smem, sb_smem):
         ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
-        if b_scale_uniform:
-          # One weight scale for all of this warpgroup's columns: fold it
-          # into the row scales (1 FMA per element). The first `tile_m`
-          # entries of the (uniform) column scales, read as a row vector.
-          cs = plgpu.load(sb_smem.at[j, pl.ds(wg_n0, tile_m)], layout=_ROW)
-          scale = lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
-        else:
-          cb = plgpu.load(sb_smem.at[j, wg_n], layout=_COL)
-          scale = lax.broadcast_in_dim(
-            ra, (tile_m, tile_n), [0]
-          ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
+        scale = _block_scale(
+          ra, sb_smem.at[j], wg_n0, tile_m, tile_n, b_scale_uniform
+        )
         return acc + p * scale
 
       def mma_body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
@@ -416,14 +425,11 @@ class QuantizingBlockSizes:
 
 
 def _quantize_rows(a_smem):
-  """A `[rows, 128]` bf16 tile -> (e4m3 values, float32 row scales) in
-  1 x 128 blocks: the values and power-of-two scales of `fp8.quantize`
-  (round to nearest even by the hardware cvt, as the quantize kernel)."""
+  """A `[64, 128]` bf16 tile -> (e4m3 values, float32 row scales) in 1 x 128
+  blocks, as the quantize kernel does them (`quantize_mgpu.quantize_chunk`:
+  the values and power-of-two scales of `fp8.quantize`)."""
   af = plgpu.load(a_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  amax = jnp.max(jnp.abs(af), axis=1)
-  scale, inv = fmt.pow2_scale(amax)
-  q = (af * lax.broadcast_in_dim(inv, af.shape, [0])).astype(fmt.E4M3)
-  return q, scale
+  return quantize_mgpu.quantize_chunk(af, jnp.max(jnp.abs(af), axis=1))
 
 
 def _quantizing_kernel(
@@ -467,8 +473,17 @@ def _quantizing_kernel(
       bs.grid_tile_width,
     )
 
+  # Quantizer `qi` takes steps `qi, qi + nq, ...` (its local steps j):
+  # their `a` tiles in its own ring of `stages_a` slots, their weight tiles
+  # in its `stages_b / nq` slots of the weight ring, and two quantized-tile
+  # slots. So every barrier slot has one producer and one waiter.
   nq = bs.quantizers
-  qslots = 2 * nq  # quantized tiles: two per quantizer (it works ahead)
+  per_b = bs.stages_b // nq
+
+  def owner_slots(s):
+    """Step `s`'s quantized-tile and weight-ring slots."""
+    qi, j = lax.rem(s, nq), s // nq
+    return 2 * qi + lax.rem(j, 2), qi * per_b + lax.rem(j, per_b)
 
   def load_a(s, slot):
     m_idx, _ = tile_coords(s // k_iters)
@@ -478,15 +493,12 @@ def _quantizing_kernel(
       a_full.at[slot],
     )
 
-  def load_b(s):
+  def load_b(s, slot):
     _, n_idx = tile_coords(s // k_iters)
-    slot = lax.rem(s, bs.stages_b)
     kk = s % k_iters
     cols = pl.ds(n_idx * cta_n, cta_n)
     plgpu.copy_gmem_to_smem(
-      b_gmem.at[cols, pl.ds(kk * kb, kb)],
-      b_ring.at[slot],
-      b_full.at[slot],
+      b_gmem.at[cols, pl.ds(kk * kb, kb)], b_ring.at[slot], b_full.at[slot]
     )
     plgpu.copy_gmem_to_smem(
       sb_gmem.at[kk, cols], sb_ring.at[slot], b_full.at[slot]
@@ -494,71 +506,52 @@ def _quantizing_kernel(
 
   @pl.when(wg >= 2)
   def _quantizer():
-    """Quantizer `qi` takes steps `qi, qi + nq, ...`: their `a` and weight
-    TMAs, and the quantization of their `a` tiles. Weight slots and
-    quantized slots of a step belong to its quantizer (`stages_b % nq ==
-    0`), so every barrier slot has one waiter."""
     qi = wg - 2
     if bs.registers:
       plgpu.set_max_registers(bs.registers[1], action="decrease")
-    mine = lambda s: lax.rem(s, nq) == qi
     my_steps = (steps - 1 - qi) // nq + 1  # may be <= 0
-    a_slot = lambda j: qi * bs.stages_a + lax.rem(j, bs.stages_a)
-    for j in range(bs.stages_a):
+    step = lambda j: qi + nq * j
+    a0, b0 = qi * bs.stages_a, qi * per_b  # its first a / weight slots
+    for j in range(per_b):
 
       @pl.when(j < my_steps)
       def _(j=j):
-        load_a(qi + nq * j, a_slot(j))
+        load_b(step(j), b0 + j)
 
-    for s in range(bs.stages_b):
+    def body(j, slot, refill, carry):
+      s = step(j)
+      qs, _ = owner_slots(s)
+      plgpu.barrier_wait(a_full.at[a0 + slot])
 
-      @pl.when((s < steps) & mine(s))
-      def _(s=s):
-        load_b(s)
-
-    @pl.loop(0, jnp.maximum(my_steps, 0))
-    def _step(j):
-      s = qi + nq * j
-      qs = lax.rem(s, qslots)
-      plgpu.barrier_wait(a_full.at[a_slot(j)])
-
-      @pl.when(s >= qslots)
+      @pl.when(j >= 2)
       def _():
-        plgpu.barrier_wait(q_free.at[qs])  # its previous wgmmas are done
+        plgpu.barrier_wait(q_free.at[qs])  # its step j - 2's wgmmas are done
 
-      q, scale = _quantize_rows(a_ring.at[a_slot(j)])
+      q, scale = _quantize_rows(a_ring.at[a0 + slot])
       qa_ring[qs] = q
       sa_ring[qs] = scale
       plgpu.commit_smem()  # (with a warpgroup barrier: every thread's)
       plgpu.barrier_arrive(q_full.at[qs])
+      refill()  # the bf16 slot's reads are committed
 
-      @pl.when(j + bs.stages_a < my_steps)
+      # Step j - 1's weights are replaced by those of step j - 1 + per_b
+      # once its wgmmas are done (step j is quantized meanwhile).
+      @pl.when((j >= 1) & (j - 1 + per_b < my_steps))
       def _():
-        load_a(s + nq * bs.stages_a, a_slot(j))  # its reads are committed
+        b_slot = b0 + lax.rem(j - 1, per_b)
+        plgpu.barrier_wait(b_free.at[b_slot])
+        load_b(step(j - 1 + per_b), b_slot)
 
-      # This quantizer's previous step's weights are replaced by those of
-      # `stages_b` steps later, once its wgmmas are done (step s is
-      # quantized meanwhile).
-      prev = s - nq
+      return carry
 
-      @pl.when((j >= 1) & (prev + bs.stages_b < steps))
-      def _():
-        plgpu.barrier_wait(b_free.at[lax.rem(prev, bs.stages_b)])
-        load_b(prev + bs.stages_b)
-
-    # Observe the last steps' releases too, so that every barrier ends in
-    # a phase its waiter has seen (the consumers are finishing anyway).
-    @pl.loop(jnp.maximum(steps - bs.stages_b, 0), steps)
-    def _(s):
-      @pl.when(mine(s))
-      def _():
-        plgpu.barrier_wait(b_free.at[lax.rem(s, bs.stages_b)])
-
-    @pl.loop(jnp.maximum(steps - qslots, 0), steps)
-    def _(s):
-      @pl.when(mine(s))
-      def _():
-        plgpu.barrier_wait(q_free.at[lax.rem(s, qslots)])
+    mosaic.tile_ring(
+      my_steps,
+      bs.stages_a,
+      lambda j, slot: load_a(step(j), a0 + slot),
+      body,
+    )
+    mosaic.observe_releases(my_steps, per_b, b_free, base=b0)
+    mosaic.observe_releases(my_steps, 2, q_free, base=2 * qi)
 
   @pl.when(wg < 2)
   def _compute():
@@ -570,7 +563,7 @@ def _quantizing_kernel(
     def _tile(t):
       def k_step(kk, acc):
         s = t * k_iters + kk
-        qs, slot = lax.rem(s, qslots), lax.rem(s, bs.stages_b)
+        qs, slot = owner_slots(s)
         plgpu.barrier_wait(q_full.at[qs])
         plgpu.barrier_wait(b_full.at[slot])
 
@@ -582,16 +575,9 @@ def _quantizing_kernel(
 
         p = pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
         ra = plgpu.load(sa_ring.at[qs], layout=_ROW)
-        if b_scale_uniform:
-          cs = plgpu.load(
-            sb_ring.at[slot, pl.ds(wg * tile_n, tile_m)], layout=_ROW
-          )
-          scale = lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
-        else:
-          cb = plgpu.load(sb_ring.at[slot, wg_n], layout=_COL)
-          scale = lax.broadcast_in_dim(
-            ra, (tile_m, tile_n), [0]
-          ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
+        scale = _block_scale(
+          ra, sb_ring.at[slot], wg * tile_n, tile_m, tile_n, b_scale_uniform
+        )
         plgpu.commit_smem()  # reads before the quantizer's / TMA's writes
         plgpu.barrier_arrive(q_free.at[qs])
         plgpu.barrier_arrive(b_free.at[slot])
@@ -655,8 +641,6 @@ def quantizing_matmul_mgpu(
     )
   if sb_Jn.shape != (k // kb, n):
     raise ValueError(f"scale shape {sb_Jn.shape}, want {(k // kb, n)}")
-  if b_scale_uniform and bs.tile_m > bs.tile_n:
-    b_scale_uniform = False
   nq = bs.quantizers
   if bs.stages_b % nq:
     raise ValueError(f"stages_b={bs.stages_b} must be a multiple of {nq=}")
@@ -751,8 +735,6 @@ def scaled_matmul_mgpu(
     raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
   if sa_Jm.shape != (k // kb, m) or sb_Jn.shape != (k // kb, n):
     raise ValueError(f"scale shapes {sa_Jm.shape}, {sb_Jn.shape}")
-  if b_scale_uniform and bs.tile_m > bs.tile_n:
-    b_scale_uniform = False  # the row-vector read needs tile_m <= tile_n
   # A persistent grid of clusters (one CTA each unless `cluster_dimension`):
   # no more programs than output tiles.
   csize = 1 + (bs.cluster_dimension is not None)

@@ -243,37 +243,29 @@ def _matmul_mosaic(a, b, out_dtype):
   return f(a_v, _expand(a_s, a_block[0], m), b_v, _expand(b_s, b_block[0], n))
 
 
-def _matmul_raw_lhs_xla(a_rc, a_q, b, out_dtype):
-  a_v, a_s = _quantize_2d_xla(a_rc, *a_q, None)
-  return _matmul_xla((a_v, a_s, a_q[0]), b, out_dtype)
-
-
 # Widest product whose forward quantizes `a` in its kernel. That kernel
 # quantizes each `a` tile once per 256 output columns, the separate pass
-# once in all: on the H200 (session 7, medians of 4 interleaved runs) the
-# kernel takes 0.244 ms at 65536 x 2048 x 512 against 0.269 for quantize +
-# GEMM, 0.441 vs 0.406 at N = 1024, 0.239 vs 0.244 at 65536 x 512 x 2048
-# and 0.91 vs 0.61 at 16384 x 4096 x 4096.
+# once in all: on the H200 (session 7, medians of 4 interleaved runs in one
+# call) the kernel takes 0.244 ms at 65536 x 2048 x 512 against 0.269 for
+# quantize + GEMM, 0.456 vs 0.406 at N = 1024, 0.246 vs 0.244 at 65536 x
+# 512 x 2048; 0.91 vs 0.61 at 16384 x 4096 x 4096 (another call).
 QUANTIZE_IN_GEMM_MAX_N = 512
 
 
-def _matmul_raw_lhs_mosaic(a_rc, a_q, b, out_dtype):
-  """Quantized in the product's kernel where that is faster (bf16 in
-  1 x 128 blocks without a Hadamard transform, 128 x 128 weight blocks,
-  `n <= QUANTIZE_IN_GEMM_MAX_N`); else by the quantize kernel first."""
-  a_block, hadamard, _ = a_q
+def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
+  """The product with raw `a` quantized in its kernel, where that is
+  faster (bf16 `a` in 1 x 128 blocks, 128 x 128 weight blocks, `n <=
+  QUANTIZE_IN_GEMM_MAX_N`); None elsewhere (the caller quantizes first)."""
   b_v, b_s, b_block = b
   (m, k), n = a_rc.shape, b_v.shape[0]
   if (
     a_block != (1, 128)
     or b_block != (128, 128)
-    or hadamard is not None
     or a_rc.dtype != jnp.bfloat16
     or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
     or 0 in (m, k)
   ):
-    a_v, a_s = _quantize_2d_mosaic(a_rc, *a_q, None)
-    return _matmul_mosaic((a_v, a_s, a_block), b, out_dtype)
+    return None
   f = _matmul_kernel_fn(128, jnp.dtype(out_dtype), m, n, k, 128, True)
   return f(a_rc, b_v, _expand(b_s, 128, n))
 
@@ -282,14 +274,17 @@ def _matmul_raw_lhs_mosaic(a_rc, a_q, b, out_dtype):
 class _Impl:
   quantize_2d: object
   matmul: object
-  # `matmul` with a raw left operand and how to quantize it,
-  # `a_q = (block, hadamard, hadamard_seed)` (round to nearest).
-  matmul_raw_lhs: object
+  # `(a_rc, a_block, b, out_dtype)`: the product with a raw left operand
+  # quantized in the kernel (round to nearest, no Hadamard), or None where
+  # it does not apply. None: never.
+  quantizing_matmul: object = None
 
 
 IMPLEMENTATIONS = {
-  "xla": _Impl(_quantize_2d_xla, _matmul_xla, _matmul_raw_lhs_xla),
-  "mosaic": _Impl(_quantize_2d_mosaic, _matmul_mosaic, _matmul_raw_lhs_mosaic),
+  "xla": _Impl(_quantize_2d_xla, _matmul_xla),
+  "mosaic": _Impl(
+    _quantize_2d_mosaic, _matmul_mosaic, _quantizing_matmul_mosaic
+  ),
 }
 
 
@@ -408,18 +403,25 @@ def _hadamard_undo(x, cfg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
-  """The product; `a_v = a_s = None`: `a_src` raw, quantized on the way
-  (in the product's kernel where it can, see `_matmul_raw_lhs_mosaic`)."""
+  """The product; `a_v = a_s = None` (`cfg.lhs_raw`): `a_src` is quantized
+  here, in the product's kernel where the implementation has one for it."""
   del b_src, key
   impl = _pick(cfg.implementation)
   b = (b_v, b_s, cfg.b_block)
   if a_v is None:
-    return impl.matmul_raw_lhs(a_src, _a_quant(cfg), b, cfg.out_dtype)
+    if impl.quantizing_matmul is not None:
+      out = impl.quantizing_matmul(a_src, cfg.a_block, b, cfg.out_dtype)
+      if out is not None:
+        return out
+    a_v, a_s = _quantize_a(cfg, a_src)
   return impl.matmul((a_v, a_s, cfg.a_block), b, cfg.out_dtype)
 
 
-def _a_quant(cfg):
-  return (cfg.a_block, cfg.hadamard, cfg.hadamard_seed)
+def _quantize_a(cfg, a_src):
+  """A raw lhs's values and scales (round to nearest, no Hadamard)."""
+  return _pick(cfg.implementation).quantize_2d(
+    a_src, cfg.a_block, None, 0, None
+  )
 
 
 def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
@@ -427,9 +429,7 @@ def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
     # Differentiated: `a` is quantized first, as its values are the
     # backward's residuals (a product that quantizes `a` itself keeps
     # none, and quantizing again in the backward would cost the pass back).
-    a_v, a_s = _pick(cfg.implementation).quantize_2d(
-      a_src, *_a_quant(cfg), None
-    )
+    a_v, a_s = _quantize_a(cfg, a_src)
   out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
   return out, (a_v, a_s, b_v, b_s, key)
 

@@ -115,8 +115,14 @@ def _bcast_rows(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _quantize_chunk(y, amax, seed_b, row0, col0, n_cols, sr: bool):
-  """Scale, round and cast one `[64, w]` chunk; returns (e4m3, scale)."""
+def quantize_chunk(
+  y, amax, *, sr: bool = False, seed_b=None, row0=0, col0=0, n_cols=0
+):
+  """Scale, round and cast one `[64, w]` f32 chunk in wgmma layout whose
+  blocks' maxima are `amax` (one per row); returns (e4m3, scale). With
+  `sr`, stochastic rounding by the bits of each element's `(row, col)`
+  position (offset by `row0`, `col0`) in an `n_cols`-wide matrix and the
+  hashed seed `seed_b`. The fp8 matmul quantizes its `a` tiles with it."""
   scale, inv = fmt.pow2_scale(amax)
   y = y * _bcast_rows(inv, y.shape)
   if sr:
@@ -139,7 +145,9 @@ def _tile_body(
   if block == (1, 128):
     amax = jnp.max(jnp.abs(xh), axis=1)  # [64]
     seed_b = _bcast_rows(seed, xh.shape) if sr else None
-    q, scale = _quantize_chunk(xh, amax, seed_b, row0, col0, n_cols, sr)
+    q, scale = quantize_chunk(
+      xh, amax, sr=sr, seed_b=seed_b, row0=row0, col0=col0, n_cols=n_cols
+    )
     q_smem[...] = q
     s_smem[0, :] = scale
     return
@@ -163,8 +171,14 @@ def _tile_body(
       lax.broadcast_in_dim(bot, (TILE_R, 32), [1]),
     )
     amax = jnp.max(both, axis=1)  # [64]: the block maximum of each row
-    q, scale = _quantize_chunk(
-      xc, amax, seed_b, row0, col0 + 32 * k, n_cols, sr
+    q, scale = quantize_chunk(
+      xc,
+      amax,
+      sr=sr,
+      seed_b=seed_b,
+      row0=row0,
+      col0=col0 + 32 * k,
+      n_cols=n_cols,
     )
     qs.append(q)
     s_smem[k, :] = scale
