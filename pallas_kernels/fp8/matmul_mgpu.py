@@ -58,8 +58,9 @@ at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
 + GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
 quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles
 and the hand-off cost too). Its results equal `scaled_matmul_mgpu`'s on
-the quantized `a` bit for bit. `op.py` uses it for the forward of
-products with at most 512 output columns.
+the quantized `a` bit for bit. `op.py` uses it for products with at most
+512 output columns and a 16-bit output whose quantized `a` nothing else
+reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
 """
 
 import dataclasses

@@ -5,16 +5,20 @@ signature and computes the product from FP8 operands with block scales:
 
   forward   out = deq(Q(lhs)) . deq(Q(rhs))          FP8 x FP8, f32 sums
   backward  d lhs = Q(g) . deq(Q(rhs))^T              FP8 x FP8
-            d rhs = g^T . deq(Q(lhs))                 BF16 (default) or FP8
+            d rhs = g^T . lhs                         BF16 (default), or
+            d rhs = Q(g)^T . deq(Q(lhs))              FP8 (`grad_rhs_fp8`)
 
 `Q` quantizes along the contraction axis (format.py), once per tensor: the
-backward reuses the forward's quantized operands (with MXFP8's square blocks
-the transposed use shares values and scales; with 1x128 activations the FP8
-weight-gradient path re-quantizes). Gradients are straight-through: the
-derivative of the FP8 product is taken as that of the exact product of the
-dequantized operands, so `d rhs` above is exact for what the forward
-computed. With a Hadamard transform the gradients are rotated back
-(`d x = d(x M) M^T`).
+backward reuses the forward's quantized rhs (with MXFP8's square blocks the
+transposed use shares values and scales; with 1x128 activations the FP8
+weight-gradient path re-quantizes the lhs). Gradients are straight-through:
+the derivative of the FP8 product is taken as that of the exact product of
+its operands. The BF16 weight gradient reads the lhs as the caller passed
+it (its `source` for an `Fp8Tensor`), which the backward keeps instead of
+the quantized lhs: it carries no activation quantization error, needs no
+dequantize pass (on the H200 that pass cost more than the FP8 product
+saved at 65536 x 2048 x 512), and keeps what a BF16 layer keeps. With a
+Hadamard transform the FP8 gradients are rotated back (`d x = d(x M) M^T`).
 
 Operands may be raw arrays (quantized here) or `Fp8Tensor`s from `quantize`
 (e.g. weights quantized once per step, or on their FSDP shard before the
@@ -27,10 +31,11 @@ Implementations (`implementation=`): "xla" (the `jnp` reference: dequantize,
 then an f32-accumulated dot) and "mosaic" (the Pallas kernels, in GPU
 interpret mode on CPU). `None` picks "mosaic" on GPU. Configurations a kernel
 does not cover fall back to the reference quantizer or product. A raw bf16
-`lhs` in the forward alone (not differentiated) of a product with at most
-`QUANTIZE_IN_GEMM_MAX_N` output columns is quantized inside the GEMM kernel
-(`matmul_mgpu.quantizing_matmul_mgpu`), with the same values and scales;
-under differentiation it is quantized first, since the backward keeps it.
+left operand whose quantized values nothing else reads (`lhs` unless the
+weight gradient is FP8; `g` in `d lhs` unless it is) is quantized inside
+the GEMM kernel (`matmul_mgpu.quantizing_matmul_mgpu`), with the same values
+and scales, where the product has at most `QUANTIZE_IN_GEMM_MAX_N` output
+columns, a 16-bit output and round-to-nearest.
 
 Error bound of the forward (tested): per element of `out`,
 |out - x.w| <= sum_k |x_k||w_k| (2 u + u^2) + subnormal terms, u = 2^-4
@@ -255,13 +260,16 @@ QUANTIZE_IN_GEMM_MAX_N = 512
 def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
   """The product with raw `a` quantized in its kernel, where that is
   faster (bf16 `a` in 1 x 128 blocks, 128 x 128 weight blocks, `n <=
-  QUANTIZE_IN_GEMM_MAX_N`); None elsewhere (the caller quantizes first)."""
+  QUANTIZE_IN_GEMM_MAX_N`) and fits (a 16-bit output: the f32 epilogue
+  buffers take its shared memory to 234,624 B, over the 232,448 B
+  limit); None elsewhere (the caller quantizes first)."""
   b_v, b_s, b_block = b
   (m, k), n = a_rc.shape, b_v.shape[0]
   if (
     a_block != (1, 128)
     or b_block != (128, 128)
     or a_rc.dtype != jnp.bfloat16
+    or jnp.dtype(out_dtype).itemsize != 2
     or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
     or 0 in (m, k)
   ):
@@ -424,14 +432,23 @@ def _quantize_a(cfg, a_src):
   )
 
 
+def _dw_from_source(cfg, a_src) -> bool:
+  """Whether the BF16 weight gradient reads the lhs as the caller passed it
+  (`g^T . lhs`; see `_mm_bwd`), so the backward keeps no quantized lhs."""
+  return cfg.grad_rhs and not cfg.grad_rhs_fp8 and a_src is not None
+
+
 def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
-  if a_v is None:
-    # Differentiated: `a` is quantized first, as its values are the
-    # backward's residuals (a product that quantizes `a` itself keeps
-    # none, and quantizing again in the backward would cost the pass back).
+  keep_q = cfg.grad_rhs and not _dw_from_source(cfg, a_src)
+  if a_v is None and keep_q:
+    # The FP8 weight gradient reads `a`'s values: quantize it first and
+    # keep them (a product that quantizes `a` itself returns none).
     a_v, a_s = _quantize_a(cfg, a_src)
   out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
-  return out, (a_v, a_s, b_v, b_s, key)
+  a_res = (a_v, a_s, None) if keep_q else (None, None, None)
+  if _dw_from_source(cfg, a_src):
+    a_res = (None, None, a_src)
+  return out, (*a_res, b_v, b_s, key)
 
 
 def _transposed(v, s, block):
@@ -443,12 +460,17 @@ def _acc_dtype(cfg, dtype):
 
 
 def _mm_bwd(cfg, res, g_mn):
-  a_v, a_s, b_v, b_s, key = res
+  a_v, a_s, a_src, b_v, b_s, key = res
   keep_a, keep_b = cfg.grad_lhs, cfg.grad_rhs
   impl = _pick(cfg.implementation)
   seed_hash = None if key is None else fmt.seed_hash_from_key(key)
   grad_block = cfg.grad_block
-  g_v, g_s = impl.quantize_2d(g_mn, grad_block, None, 0, seed_hash)
+  fp8_dw = keep_b and cfg.grad_rhs_fp8
+
+  @functools.cache
+  def g_q():
+    return impl.quantize_2d(g_mn, grad_block, None, 0, seed_hash)
+
   da = db = None
   if keep_a:
     # d a = g . b: contraction over n; b used transposed, `[k, n]`.
@@ -466,13 +488,19 @@ def _mm_bwd(cfg, res, g_mn):
       bt = (*bq, grad_block)
     # Without a Hadamard transform to undo, the kernel writes the gradient's
     # dtype directly (one rounding of the f32 sums either way).
-    da = impl.matmul((g_v, g_s, grad_block), bt, _acc_dtype(cfg, cfg.a_dtype))
+    acc = _acc_dtype(cfg, cfg.a_dtype)
+    if impl.quantizing_matmul is not None and seed_hash is None and not fp8_dw:
+      # No other use of the quantized g: quantized in the product's kernel
+      # where it has one (the same values as `g_q`).
+      da = impl.quantizing_matmul(g_mn, grad_block, bt, acc)
+    if da is None:
+      da = impl.matmul((*g_q(), grad_block), bt, acc)
     da = _hadamard_undo(da, cfg).astype(cfg.a_dtype)
   if keep_b:
     # d b = g^T . a: contraction over m.
     if cfg.grad_rhs_fp8:
       if grad_block[0] == grad_block[1] and cfg.a_block[0] == cfg.a_block[1]:
-        gt = _transposed(g_v, g_s, grad_block)
+        gt = _transposed(*g_q(), grad_block)
         at = _transposed(a_v, a_s, cfg.a_block)
       else:
         gt = (*impl.quantize_2d(g_mn.T, grad_block, None, 0, seed_hash),)
@@ -485,20 +513,26 @@ def _mm_bwd(cfg, res, g_mn):
         at = (*impl.quantize_2d(a_deq.T, grad_block, None, 0, None),)
         at = (*at, grad_block)
       db = impl.matmul(gt, at, _acc_dtype(cfg, cfg.b_dtype))
+      db = _hadamard_undo(db, cfg)
     else:
-      a_deq = ref.dequantize_reference(
-        a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16
-      )
+      # BF16 from the lhs the caller passed (in its own basis: no Hadamard
+      # to undo), or from the dequantized one where it passed no source.
+      a_bf = a_src
+      if a_bf is None:
+        a_bf = ref.dequantize_reference(
+          a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16
+        )
       db = lax.dot_general(
         g_mn.astype(jnp.bfloat16),
-        a_deq,
+        a_bf.astype(jnp.bfloat16),
         (((0,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
       )
-    db = _hadamard_undo(db, cfg).astype(cfg.b_dtype)
-  zeros = jnp.zeros_like
-  za = (None, None) if cfg.lhs_raw else (zeros(a_v), zeros(a_s))
-  return (*za, da, zeros(b_v), zeros(b_s), db, None)
+      if a_src is None:
+        db = _hadamard_undo(db, cfg)
+    db = db.astype(cfg.b_dtype)
+  # The quantized operands get no gradient (None: zero); their sources do.
+  return (None, None, da, None, None, db, None)
 
 
 _mm.defvjp(_mm_fwd, _mm_bwd)
