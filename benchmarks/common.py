@@ -69,6 +69,35 @@ def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
   return float(np.median(times))
 
 
+def time_interleaved(runs, *, rounds: int = 7, calls: int = 10):
+  """Median seconds per call of each `runs[key] = (fn, arg_sets)`, timed
+  in alternation: every round times each run once (`device_time`, one
+  batch of `calls` queued calls), the order rotated from round to round.
+
+  Timing one program's batches and then the other's compares them at
+  different clock states. On the H200 a sustained FP8 GEMM heats the chip
+  and runs slower within seconds (16384x4096x4096 forward, 2026-11-30:
+  0.575 ms in the first batch, 0.639 ms in the seventh, while cuBLAS bf16
+  beside it stayed at 0.69-0.73 ms), so which came first moved their
+  ratio by up to 10%. Alternating gives every run the same mix of states.
+
+  Returns `{key: median seconds}`, and prints each run's per-round times.
+  """
+  for fn, arg_sets in runs.values():
+    for a in arg_sets:
+      jax.block_until_ready(fn(*a))
+  keys = list(runs)
+  times = {k: [] for k in keys}
+  for r in range(rounds):
+    s = r % len(keys)
+    for k in keys[s:] + keys[:s]:
+      fn, arg_sets = runs[k]
+      times[k].append(device_time(fn, arg_sets, calls=calls, repeats=1))
+  for k, ts in times.items():
+    print(f"    {k}: rounds (ms) {np.round(np.array(ts) * 1e3, 4)}", flush=True)
+  return {k: float(np.median(ts)) for k, ts in times.items()}
+
+
 def copy_bandwidths(nbytes: int = 1 << 30, **timing) -> dict[str, float]:
   """Device copy bandwidth in TB/s (bytes read + written) of two XLA ops,
   `jnp.copy` and `x + 1`, on two `[n / 2048, 2048]` bf16 arrays of

@@ -10,8 +10,10 @@ For M x K x N in {16384x4096x4096, 65536x2048x512, 65536x512x2048}:
             function (by the GEMM kernel itself where N <= 512, else by a
             quantize pass first: both forms are rows), w `[K, N]`
             quantized once beforehand (once per step)
-  backward  dx, dw from dy `[M, N]` (the timed function is `jax.vjp`'s pull-
-            back with the forward DCE'd; ours re-quantizes x for its residual)
+  backward  dx, dw from dy `[M, N]`: the timed function is `jax.vjp`'s pull-
+            back applied to residuals a forward run saved beforehand, as a
+            training step's backward runs (`_pullback`; ours keeps x
+            quantized by the forward, whose figure already counts it)
 
 Baselines in the same process: bf16 `jnp.dot` (cuBLAS), XLA fp8 with a plain
 cast of x, XLA fp8 with a per-tensor scale (amax, scale, cast in XLA), and
@@ -19,9 +21,14 @@ XLA fp8 on inputs already in fp8 (the GEMM alone, an upper bound). Also the
 kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
 
-Timing: each measurement is the median over 7 repeats of 10 back-to-back
-calls (inputs rotated between two sets), so launch gaps overlap; see
-`_time`. The memory-bound kernels (quantize, compared with the copy
+Timing: a measurement is a batch of 10 back-to-back calls (inputs rotated
+between two sets), so launch gaps overlap. Each of our forward and
+backward figures, and each XLA fp8 baseline, is timed in alternation with
+cuBLAS bf16 on the same shape (`_time_vs`, `common.time_interleaved`: 7
+rounds, medians), and its ratio is taken against that paired cuBLAS time:
+FP8 GEMMs slow down as the chip heats within seconds, so timing one after
+the other moved the ratio by up to 10%. Other figures are the median of 7
+batches (`_time`). The memory-bound kernels (quantize, compared with the copy
 bandwidth) run four distinct inputs per call and queue 30 calls per repeat
 (`_time_mem`): with 10 calls, a batch's fixed overhead (~70 us on the H200)
 added ~7 us to a 60 us call, and with one input per call the host's ~32 us
@@ -59,6 +66,22 @@ T0 = time.perf_counter()
 
 def _time(fn, arg_sets) -> float:
   return common.device_time(fn, arg_sets, calls=10)
+
+
+def _pullback(fn, *primals):
+  """`fn`'s pullback with the residuals of a forward run (a pytree: the
+  timed program takes it as an argument, `_apply`)."""
+  return jax.jit(lambda *p: jax.vjp(fn, *p)[1])(*primals)
+
+
+_apply = jax.jit(lambda pull, dy: pull(dy))
+
+
+def _time_vs(fn, arg_sets, base) -> tuple[float, float]:
+  """Seconds per call of `fn` and of the baseline `base = (fn, arg_sets)`,
+  timed in alternation (`common.time_interleaved`)."""
+  t = common.time_interleaved({"ours": (fn, arg_sets), "cuBLAS": base})
+  return t["ours"], t["cuBLAS"]
 
 
 def _time_mem(fn, arg_sets) -> float:
@@ -183,23 +206,26 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
   # ---- forward baselines
   bf16_fwd = jax.jit(lambda x, w: jnp.dot(x, w))
-  t_bf16 = _time(bf16_fwd, [(x, w) for x, w, _ in sets])
+  bf16_pair = (bf16_fwd, [(x, w) for x, w, _ in sets])
+  t_bf16 = _time(*bf16_pair)
   b.add(case, "xla bf16 (cuBLAS)", "fwd ms", t_bf16 * 1e3, lower_is_better=True)
   b.add(case, "xla bf16 (cuBLAS)", "fwd TFLOP/s", tflops(t_bf16))
   w8s = [(w.astype(F8), jnp.float32(1)) for _, w, _ in sets]
 
   def base(label, fn, args):
-    t = b.run(label, lambda: _time(jax.jit(fn), args))
-    if t is not None:
-      b.add(
-        case,
-        label,
-        "fwd ms",
-        t * 1e3,
-        baseline="xla bf16 (cuBLAS)",
-        baseline_value=t_bf16 * 1e3,
-        lower_is_better=True,
-      )
+    pair = b.run(label, lambda: _time_vs(jax.jit(fn), args, bf16_pair))
+    if pair is None:
+      return None
+    t, tb = pair
+    b.add(
+      case,
+      label,
+      "fwd ms",
+      t * 1e3,
+      baseline="xla bf16 (cuBLAS)",
+      baseline_value=tb * 1e3,
+      lower_is_better=True,
+    )
     return t
 
   base(
@@ -223,7 +249,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     return jax.vjp(jnp.dot, x, w)[1](dy)
 
   if not NO_BWD:
-    t_bf16_b = _time(jax.jit(bf16_bwd), sets)
+    bf16_bwd_pair = (
+      _apply,
+      [(_pullback(jnp.dot, x, w), dy) for x, w, dy in sets],
+    )
+    t_bf16_b = _time(*bf16_bwd_pair)
     b.add(
       case, "xla bf16 (cuBLAS)", "bwd ms", t_bf16_b * 1e3, lower_is_better=True
     )
@@ -267,21 +297,25 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       )
       b.add(case, label, "fwd err vs ref", _rel(got, want))
       b.add(case, label, "fwd err vs f32", _rel(got, exact))
-      t = _time(f, [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)])
+      t, tb = _time_vs(
+        f,
+        [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)],
+        bf16_pair,
+      )
       b.add(
         case,
         label,
         "fwd ms",
         t * 1e3,
         baseline="xla bf16 (cuBLAS)",
-        baseline_value=t_bf16 * 1e3,
+        baseline_value=tb * 1e3,
         lower_is_better=True,
       )
       b.add(
         case,
         label,
         "fwd speedup",
-        t_bf16 / t,
+        tb / t,
         baseline="goal",
         goal=GOAL_FWD,
       )
@@ -306,9 +340,9 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   b.run(f"{case} prequantized fwd", prequantized_case)
 
   def quantize_first_case():
-    """x quantized by its own pass, then the GEMM: the forward under
-    differentiation, and the plain forward where the GEMM does not
-    quantize x itself (n > op.QUANTIZE_IN_GEMM_MAX_N)."""
+    """x quantized by its own pass, then the GEMM: the forward where the
+    GEMM does not quantize x itself (n > op.QUANTIZE_IN_GEMM_MAX_N, or
+    differentiated with an FP8 weight gradient, which keeps x's values)."""
     qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
     label = "ours deepseek, quantize pass + GEMM"
     base(
@@ -334,17 +368,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     label = f"ours {fmt_name}" + (" dW fp8" if rhs_fp8 else " dW bf16")
 
     def bwd_case(fmt_name=fmt_name, hb=hb, rhs_fp8=rhs_fp8, label=label):
-      def loss_vjp(x, wq, dy):
-        def f(x, wq):
-          return fp8.fp8_dot_general(
-            x, wq, DN, format=fmt_name, hadamard=hb, grad_rhs_fp8=rhs_fp8
-          )
+      def f(x, wq):
+        return fp8.fp8_dot_general(
+          x, wq, DN, format=fmt_name, hadamard=hb, grad_rhs_fp8=rhs_fp8
+        )
 
-        _, pull = jax.vjp(f, x, wq)
-        dx, dwq = pull(dy)
-        return dx, dwq.source
-
-      g = jax.jit(loss_vjp)
       # Weights quantized once per step, outside the timed function; their
       # `source` receives the gradient.
       qw = jax.jit(
@@ -352,29 +380,29 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
           w, axis=0, kind="weight", format=fmt_name, hadamard=hb
         )
       )
-      qsets = [(x, qw(w), dy) for x, w, dy in sets]
+      psets = [(_pullback(f, x, qw(w)), dy) for x, w, dy in sets]
       x0, w0, dy0 = sets[0]
-      dx, dw = g(*qsets[0])
+      dx, dwq = _apply(*psets[0])
       rdx, rdw = jax.jit(bf16_bwd)(
         x0.astype(jnp.float32), w0.astype(jnp.float32), dy0.astype(jnp.float32)
       )
       b.add(case, label, "dx err vs f32", _rel(dx, rdx))
-      b.add(case, label, "dw err vs f32", _rel(dw, rdw))
-      t = _time(g, qsets)
+      b.add(case, label, "dw err vs f32", _rel(dwq.source, rdw))
+      t, tb = _time_vs(_apply, psets, bf16_bwd_pair)
       b.add(
         case,
         label,
         "bwd ms",
         t * 1e3,
         baseline="xla bf16 (cuBLAS)",
-        baseline_value=t_bf16_b * 1e3,
+        baseline_value=tb * 1e3,
         lower_is_better=True,
       )
       b.add(
         case,
         label,
         "bwd speedup",
-        t_bf16_b / t,
+        tb / t,
         baseline="goal",
         goal=GOAL_BWD,
       )
