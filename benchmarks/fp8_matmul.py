@@ -212,11 +212,9 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   b.add(case, "xla bf16 (cuBLAS)", "fwd TFLOP/s", tflops(t_bf16))
   w8s = [(w.astype(F8), jnp.float32(1)) for _, w, _ in sets]
 
-  def base(label, fn, args):
-    pair = b.run(label, lambda: _time_vs(jax.jit(fn), args, bf16_pair))
-    if pair is None:
-      return None
-    t, tb = pair
+  def fwd_ms(label, fn, args):
+    """`fn` timed against cuBLAS bf16 (`_time_vs`) and recorded."""
+    t, tb = _time_vs(fn, args, bf16_pair)
     b.add(
       case,
       label,
@@ -226,7 +224,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       baseline_value=tb * 1e3,
       lower_is_better=True,
     )
-    return t
+    return t, tb
+
+  def base(label, fn, args):
+    pair = b.run(label, lambda: fwd_ms(label, jax.jit(fn), args))
+    return None if pair is None else pair[0]
 
   base(
     "xla fp8 GEMM only (pre-cast)",
@@ -297,19 +299,8 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       )
       b.add(case, label, "fwd err vs ref", _rel(got, want))
       b.add(case, label, "fwd err vs f32", _rel(got, exact))
-      t, tb = _time_vs(
-        f,
-        [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)],
-        bf16_pair,
-      )
-      b.add(
-        case,
-        label,
-        "fwd ms",
-        t * 1e3,
-        baseline="xla bf16 (cuBLAS)",
-        baseline_value=tb * 1e3,
-        lower_is_better=True,
+      t, tb = fwd_ms(
+        label, f, [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)]
       )
       b.add(
         case,

@@ -96,3 +96,29 @@ def test_fwd_bwd_keeps_the_forward_kernel():
   lowered = export.export(jax.jit(program), platforms=["cuda"])
   module = lowered(q, q, q, q, offsets).mlir_module()
   assert module.count("custom_call @mosaic_gpu") == 2  # forward, backward
+
+
+def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
+  """Rounds time every run once, the order rotated; each run's figure is
+  the median of its own rounds."""
+  order, fake = [], iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])
+
+  def device_time(fn, arg_sets, *, calls, repeats):
+    assert (calls, repeats) == (10, 1)
+    order.append(fn.__name__)
+    return next(fake)
+
+  monkeypatch.setattr(common, "device_time", device_time)
+
+  def a(x):
+    return x
+
+  def b(x):
+    return x
+
+  got = common.time_interleaved(
+    {"a": (a, [(1,)]), "b": (b, [(2,)])}, rounds=3, calls=10
+  )
+  assert order == ["a", "b", "b", "a", "a", "b"]
+  # a: 5, 9, 3 -> 5; b: 1, 2, 4 -> 2
+  assert got == {"a": 5.0, "b": 2.0}
