@@ -92,6 +92,7 @@ of the ~30 integer operations of the rounding, on data already in registers.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,10 @@ H200_NUM_SMS = 132
 QUANT_BLOCK = 128
 # Shared memory we let one block use (the H200 allows 227 KiB per block).
 _SMEM_BUDGET = 200 * 1024
+# What a block may take at most: 227 KiB, less room for the barriers and
+# the alignment of each buffer (a fused-FP8 forward estimated 1,032 B under
+# the limit took 8 B over it).
+_SMEM_LIMIT = 223 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +155,9 @@ class BlockSizes:
     while `out_slots - 1` later tiles are computed); `None` = 4 in the
     forward, 2 in the backward and the forward with FP8 output. H200 run 4,
     D=512 forward at 2 stages: 2, 3, 4 or 6 slots 0.2803-0.2813 ms alike;
-    the gain over the earlier default (0.2894 ms) is the 2 stages.
+    the gain over the earlier default (0.2894 ms) is the 2 stages. Rows too
+    wide for that many beside one input stage get fewer, down to one;
+    wider still, `fits` is False and the op runs the reference.
   """
 
   block_rows: int | None = None
@@ -317,6 +324,10 @@ def make_config(
   if wpr not in (1, 2) or (wpr > 1 and d // _vec(itemsize) % (32 * wpr)):
     raise ValueError(f"warps_per_row={wpr} does not divide rows of {d}")
   unit = _min_rows(d, itemsize, wpr)
+  if quantize:
+    # The scales' tile `[d / 128, m]` f32 leaves by bulk copy, whose rows
+    # must be multiples of 16 bytes.
+    unit = math.lcm(unit, 4)
   n_in = 2 + has_residual if bwd else 1 + has_residual
   n_out = 1 if bwd else 1 + has_residual
   stages_of = functools.partial(
@@ -362,11 +373,22 @@ def make_config(
   rows = min(rows, tallest)
   num_tiles = pl.cdiv(t, rows)
   direct_loads = bs.direct_loads and t % rows == 0
-  if bs.direct_loads and not direct_loads:  # the ring after all
-    stages_of = functools.partial(
-      stages_of.func,
-      dataclasses.replace(bs, direct_loads=False),
-      **stages_of.keywords,
+  # Wide rows (d = 8192 at 16 bits, 4096 at 32 with a residual): fewer
+  # output slots, down to one, until one input stage fits beside them.
+  bs = dataclasses.replace(bs, direct_loads=direct_loads)
+
+  def fit(b):
+    return stages_of.func(b, rows, **stages_of.keywords)
+
+  while bs.out_slots > 1 and fit(bs)[1] > _SMEM_LIMIT:
+    bs = dataclasses.replace(bs, out_slots=bs.out_slots - 1)
+  stages, smem = fit(bs)
+  if smem > _SMEM_LIMIT:
+    raise ValueError(
+      f"rms_norm: a tile of {rows} rows of {d} {jnp.dtype(dtype).name} "
+      f"({'backward' if bwd else 'forward'}, residual={has_residual}) "
+      f"needs {smem} B of shared memory, over {_SMEM_LIMIT}; `fits` says "
+      "which shapes the kernels take"
     )
   return _Config(
     t=t,
@@ -377,7 +399,7 @@ def make_config(
     eps=float(eps),
     block_rows=rows,
     warps_per_row=wpr,
-    stages=stages_of(rows)[0],
+    stages=stages,
     num_blocks=min(bs.num_blocks, num_tiles),
     interpret=interpret,
     direct_stores=bs.direct_stores or direct_loads,
@@ -386,6 +408,25 @@ def make_config(
     pdl=(not bwd if bs.pdl is None else bs.pdl) and not interpret,
     out_slots=bs.out_slots,
   )
+
+
+def fits(d, dtype, gamma_dtype, has_residual, *, quantize=False) -> bool:
+  """Whether the kernels take rows of `d` elements of `dtype` (the row
+  layout, `supported`) and both passes' tiles fit in shared memory with
+  the default block sizes (the forward also with the fused FP8 output when
+  `quantize`); the op runs the reference where not."""
+  if not supported(d, dtype) or (quantize and not quantize_supported(d, dtype)):
+    return False
+  t = 1 << 20  # tall enough for the largest tile
+  try:
+    for bwd in (False, True):
+      make_config(
+        t, d, dtype, gamma_dtype, has_residual, 1e-6, None, True,
+        bwd=bwd, quantize=quantize and not bwd,
+      )  # fmt: skip
+  except ValueError:
+    return False
+  return True
 
 
 def _bcast_rows(v_m, cfg: _Config):
@@ -780,6 +821,7 @@ def smem_bytes(cfg: _Config, *, bwd: bool) -> int:
 
 __all__ = [
   "BlockSizes",
+  "fits",
   "make_config",
   "quantize_supported",
   "rms_norm_bwd",

@@ -105,11 +105,12 @@ def rms_norm_mosaic(
   q = as_fp8_output(quantize)
   d = x.shape[-1]
   t = math.prod(x.shape[:-1])
+  gamma_dtype = None if gamma is None else gamma.dtype
   fits = (
     t > 0
-    and mosaic_gpu.supported(d, x.dtype)
     and (residual is None or residual.dtype == x.dtype)
     and (gamma is None or gamma.shape == (d,))
+    and mosaic_gpu.fits(d, x.dtype, gamma_dtype, residual is not None)
   )
   if not fits:
     return rms_norm_reference(x, gamma, residual, eps=eps, quantize=q)
@@ -119,7 +120,9 @@ def rms_norm_mosaic(
     q is not None
     and q.activation_block == (1, mosaic_gpu.QUANT_BLOCK)
     and q.hadamard is None
-    and mosaic_gpu.quantize_supported(d, x.dtype)
+    and mosaic_gpu.fits(
+      d, x.dtype, gamma_dtype, residual is not None, quantize=True
+    )
   )
   static = _Static(
     eps,

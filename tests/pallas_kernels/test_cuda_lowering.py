@@ -95,9 +95,11 @@ def test_block_attention(block, rope, h):
   _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, kernels=2)
 
 
-@pytest.mark.parametrize("d", [512, 2048])
-def test_rms_norm_with_residual(d):
-  x, g = _spec((B * L, d)), _spec((d,))
+# 8192 bf16 and 4096 f32 take fewer output slots (they were over 227 KiB).
+@pytest.mark.parametrize("d,dtype", [(512, BF16), (2048, BF16), (8192, BF16),
+                                     (4096, jnp.float32)])  # fmt: skip
+def test_rms_norm_with_residual(d, dtype):
+  x, g = _spec((B * L, d), dtype), _spec((d,), dtype)
 
   def fwd_bwd(x, g, r):
     def loss(x, g, r):
@@ -107,6 +109,17 @@ def test_rms_norm_with_residual(d):
     return jax.grad(loss, argnums=(0, 1, 2))(x, g, r)
 
   _lowers_for_cuda(fwd_bwd, x, g, x, kernels=2)  # forward, backward
+
+
+# The fused FP8 output at 4096 takes 4-row tiles (its scales' bulk copy
+# needs 16-byte rows; 2 rows failed) and one output slot.
+@pytest.mark.parametrize("d", [2048, 4096])
+def test_rms_norm_fp8_output(d):
+  x, g = _spec((B * L, d)), _spec((d,))
+  f = lambda x, g, r: rms_norm_mosaic(
+    x, g, r, quantize="deepseek", interpret=False
+  )
+  _lowers_for_cuda(f, x, g, x, kernels=1)
 
 
 @pytest.mark.parametrize(

@@ -325,6 +325,15 @@ def test_dispatch():
       np.array([0, 4], np.int32),
       implementation="nope",
     )
+  # Head dims the kernels do not fit (192 and 256 lower for CUDA with
+  # 298 / 396 KB of shared memory): a clear error, not a compile failure;
+  # the default dispatch takes the reference for them.
+  q192 = jnp.ones((4, 2, 192), jnp.bfloat16)
+  with pytest.raises(ValueError, match="head dim 64 or 128, got 192"):
+    jagged_attention_mosaic(
+      q192, q192[:, :1], q192[:, :1], np.array([0, 4], np.int32)
+    )
+  assert not mosaic_supports(q192, q192[:, :1])
 
 
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.

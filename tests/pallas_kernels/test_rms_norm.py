@@ -277,6 +277,38 @@ def test_no_rows_and_unsupported_width_fall_back():
   )
 
 
+def test_wide_rows_take_fewer_output_slots_or_the_reference():
+  """Rows too wide for the default buffers: fewer output slots (down to
+  one) while one input stage fits, else the reference (`fits`). Before,
+  such widths failed to compile on the GPU (over 227 KiB of SMEM)."""
+  cfg = mosaic_gpu.make_config(
+    4096, 8192, jnp.bfloat16, jnp.bfloat16, True, 1e-6, None, True, bwd=False
+  )
+  assert cfg.out_slots < 4 and mosaic_gpu.smem_bytes(cfg, bwd=False) < (
+    227 * 1024
+  )
+  assert mosaic_gpu.fits(8192, jnp.bfloat16, jnp.bfloat16, True)
+  assert mosaic_gpu.fits(4096, jnp.bfloat16, None, True, quantize=True)
+  assert not mosaic_gpu.fits(8192, jnp.float32, jnp.float32, True)
+  with pytest.raises(ValueError, match="8192 float32 .* shared memory"):
+    mosaic_gpu.make_config(
+      4096, 8192, jnp.float32, jnp.float32, True, 1e-6, None, True, bwd=True
+    )
+  # The kernels at 8192 bf16 (one output slot at this short t), against
+  # the reference; f32 at 8192 with gamma and residual is the reference.
+  key = jax.random.key(7)
+  x, g, r = _inputs(key, (5, 8192), jnp.bfloat16, True, True)
+  fn = lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=True)
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+  x, g, r = _inputs(key, (3, 8192), jnp.float32, True, True)
+  for a, b in zip(
+    rms_norm_mosaic(x, g, r, interpret=True),
+    rms_norm_reference(x, g, r, eps=1e-6),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_block_rows_follow_layout():
   for d, itemsize_dtype, unit in [
     (64, jnp.bfloat16, 16),
@@ -331,11 +363,16 @@ def test_default_dispatch_on_cpu_is_xla():
     ((65_536, 2048), True, True, dict(direct_loads=True, num_blocks=264)),
     ((262_144 + 37, 512), True, True, dict(pdl=False)),
     ((65_536 + 3, 2048), True, True, dict(out_slots=4, stages=2)),
+    # Wide rows: fewer output slots (they failed to compile before).
+    ((16_384 + 5, 8192), True, True, None),
+    ((16_384 + 5, 4096), True, True, "f32"),
   ],
 )
 def test_gpu_matches_reference(shape, with_gamma, with_residual, extra):
   key = jax.random.key(shape[0])
-  x, g, r = _inputs(key, shape, jnp.bfloat16, with_gamma, with_residual)
+  dtype = jnp.float32 if extra == "f32" else jnp.bfloat16
+  extra = None if extra == "f32" else extra
+  x, g, r = _inputs(key, shape, dtype, with_gamma, with_residual)
   bs = None if extra is None else mosaic_gpu.BlockSizes(**extra)
 
   def fn(x, g, r):
@@ -343,7 +380,7 @@ def test_gpu_matches_reference(shape, with_gamma, with_residual, extra):
       x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=False
     )
 
-  _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
+  _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
 
 
 @pytest.mark.gpu

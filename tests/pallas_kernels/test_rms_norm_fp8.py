@@ -235,7 +235,9 @@ def test_fused_config_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(262_144 + 37, 512), (65_536 + 3, 2048)])
+@pytest.mark.parametrize(
+  "shape", [(262_144 + 37, 512), (65_536 + 3, 2048), (16_384 + 5, 4096)]
+)
 def test_gpu_fused_output(shape):
   key = jax.random.key(shape[0])
   x, g, r = _inputs(key, shape, jnp.bfloat16, True, True)
