@@ -11,7 +11,8 @@ process:
 - pooled: 16 (learned) queries per sequence over log-normal histories
   (median 1,100, sigma 0.6, capped at 2,048).
 Ours is `gdpa(activation="gelu_tanh", max_len_kv=...)` on the packed
-buffers (schedule, side tiles and deal built inside the timed call; the
+buffers (schedule, side tiles and deal built inside the timed call, the
+schedule once for the R input sets, which share offsets; the
 default `tanh="exact"`, the hardware tanh, measured faster than the
 polynomial; the caller's key-length bound picks the key tile); the
 baselines
