@@ -79,7 +79,8 @@ def time_interleaved(runs, *, rounds: int = 7, calls: int = 10):
   and runs slower within seconds (16384x4096x4096 forward, 2026-11-30:
   0.575 ms in the first batch, 0.639 ms in the seventh, while cuBLAS bf16
   beside it stayed at 0.69-0.73 ms), so which came first moved their
-  ratio by up to 10%. Alternating gives every run the same mix of states.
+  ratio from 1.22x to 1.35x between batches of calls. Alternating gives
+  every run the same mix of states.
 
   Returns `{key: median seconds}`, and prints each run's per-round times.
   """

@@ -17,7 +17,8 @@ Lq_b Lkv_b` forward, 3.5x that forward+backward. Each timed call runs R
 independent input sets inside one jit (dispatch amortized, inputs rotated);
 the median of the per-set time is reported. The sets share their offsets, so
 XLA builds the work list (which depends on offsets only) once per call for
-all R, as a model's layers share one per batch: the D64 log-normal
+all R (common subexpressions; tests/benchmarks/test_common.py checks it),
+as a model's layers share one per batch: the D64 log-normal
 forward+backward builds its lists in 39.5 us (24 small kernels) and one
 call of one set spans 0.960 ms in an H200 profile, against 0.9295 ms per
 set timed here; the K/V side tiles, which depend on the data, count in

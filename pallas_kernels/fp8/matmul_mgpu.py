@@ -66,6 +66,7 @@ reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
 import dataclasses
 import enum
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -425,6 +426,51 @@ class QuantizingBlockSizes:
   quantizers: int = 2
 
 
+def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
+  """Shared memory of `quantizing_matmul_mgpu`: rings, epilogue, barriers."""
+  nq, kb = bs.quantizers, 128
+  cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
+  a_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  f8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  f8 = jnp.float8_e4m3fn
+  return [
+    plgpu.SMEM((nq * bs.stages_a, cta_m, kb), jnp.bfloat16, transforms=a_tiles),
+    plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((bs.stages_b, cta_n), jnp.float32),
+    plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((2 * nq, cta_m), jnp.float32),
+    _out_smem(bs, out_dtype),
+    plgpu.Barrier(num_barriers=nq * bs.stages_a),  # a_full: 1 copy
+    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_full
+    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_free
+    plgpu.Barrier(num_barriers=2 * nq),  # q_full: a quantizer
+    plgpu.Barrier(num_arrivals=2, num_barriers=2 * nq),  # q_free: both
+  ]
+
+
+# Shared memory a kernel may count on: the H200's 227 KiB per block, less
+# room for barriers and buffer alignment, which buffer sizes leave out (the
+# default quantizing kernel with an f32 output has 232,448 B of buffers
+# and lowered for CUDA at 234,624 B, over the 232,448 B limit).
+_SMEM_LIMIT = 223 * 1024
+
+
+def quantizing_fits(
+  out_dtype, block_sizes: QuantizingBlockSizes = QuantizingBlockSizes()
+) -> bool:
+  """Whether `quantizing_matmul_mgpu` with these block sizes and output
+  dtype fits in shared memory (with the defaults: 16-bit outputs do, f32
+  does not)."""
+  buffers = [
+    r for r in _quantizing_scratch(block_sizes, out_dtype)
+    if not isinstance(r, plgpu.Barrier)
+  ]  # fmt: skip
+  nbytes = sum(
+    math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in buffers
+  )
+  return nbytes <= _SMEM_LIMIT
+
+
 def _quantize_rows(a_smem):
   """A `[64, 128]` bf16 tile -> (e4m3 values, float32 row scales) in 1 x 128
   blocks, as the quantize kernel does them (`quantize_mgpu.quantize_chunk`:
@@ -635,6 +681,12 @@ def quantizing_matmul_mgpu(
   cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
   if a_mk.dtype != jnp.bfloat16:
     raise TypeError(f"quantizing_matmul_mgpu: a must be bf16, got {a_mk.dtype}")
+  if not interpret and not quantizing_fits(out_dtype, bs):
+    # (The GPU interpreter has no such limit: tests check f32 outputs.)
+    raise ValueError(
+      f"quantizing_matmul_mgpu: {bs} with a {jnp.dtype(out_dtype).name}"
+      " output does not fit in shared memory (`quantizing_fits`)"
+    )
   if k != k2 or m % cta_m or n % cta_n or k % kb:
     raise ValueError(
       f"quantizing_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit"
@@ -654,22 +706,7 @@ def quantizing_matmul_mgpu(
     )
   # A persistent grid: no more programs than output tiles.
   num_sms = min(num_sms, (m // cta_m) * (n // cta_n))
-  a_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  f8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-  f8 = jnp.float8_e4m3fn
-  scratch = [
-    plgpu.SMEM((nq * bs.stages_a, cta_m, kb), jnp.bfloat16, transforms=a_tiles),
-    plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=f8_tiles),
-    plgpu.SMEM((bs.stages_b, cta_n), jnp.float32),
-    plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=f8_tiles),
-    plgpu.SMEM((2 * nq, cta_m), jnp.float32),
-    _out_smem(bs, out_dtype),
-    plgpu.Barrier(num_barriers=nq * bs.stages_a),  # a_full: 1 copy
-    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_full
-    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_free
-    plgpu.Barrier(num_barriers=2 * nq),  # q_full: a quantizer
-    plgpu.Barrier(num_arrivals=2, num_barriers=2 * nq),  # q_free: both
-  ]
+  scratch = _quantizing_scratch(bs, out_dtype)
   kernel = functools.partial(
     _quantizing_kernel,
     bs=bs,
@@ -690,7 +727,7 @@ def quantizing_matmul_mgpu(
     interpret=(
       plgpu.InterpretGPUParams() if interpret is True else interpret or None
     ),
-  )(a_mk, b_nk.astype(f8), sb_Jn.astype(jnp.float32))
+  )(a_mk, b_nk.astype(jnp.float8_e4m3fn), sb_Jn.astype(jnp.float32))
 
 
 @functools.partial(

@@ -260,16 +260,15 @@ QUANTIZE_IN_GEMM_MAX_N = 512
 def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
   """The product with raw `a` quantized in its kernel, where that is
   faster (bf16 `a` in 1 x 128 blocks, 128 x 128 weight blocks, `n <=
-  QUANTIZE_IN_GEMM_MAX_N`) and fits (a 16-bit output: the f32 epilogue
-  buffers take its shared memory to 234,624 B, over the 232,448 B
-  limit); None elsewhere (the caller quantizes first)."""
+  QUANTIZE_IN_GEMM_MAX_N`) and fits (`matmul_mgpu.quantizing_fits`);
+  None elsewhere (the caller quantizes first)."""
   b_v, b_s, b_block = b
   (m, k), n = a_rc.shape, b_v.shape[0]
   if (
     a_block != (1, 128)
     or b_block != (128, 128)
     or a_rc.dtype != jnp.bfloat16
-    or jnp.dtype(out_dtype).itemsize != 2
+    or not matmul_mgpu.quantizing_fits(out_dtype)
     or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
     or 0 in (m, k)
   ):
@@ -400,7 +399,6 @@ class _Cfg:
   implementation: str | None
   grad_lhs: bool  # whether lhs / rhs carry a source to differentiate
   grad_rhs: bool
-  lhs_raw: bool  # lhs is quantized by the product (`_mm` gets no values)
 
 
 def _hadamard_undo(x, cfg):
@@ -411,18 +409,31 @@ def _hadamard_undo(x, cfg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
-  """The product; `a_v = a_s = None` (`cfg.lhs_raw`): `a_src` is quantized
-  here, in the product's kernel where the implementation has one for it."""
+  """The product; `a_v = a_s = None`: the raw `a_src` is quantized here."""
   del b_src, key
   impl = _pick(cfg.implementation)
   b = (b_v, b_s, cfg.b_block)
   if a_v is None:
-    if impl.quantizing_matmul is not None:
-      out = impl.quantizing_matmul(a_src, cfg.a_block, b, cfg.out_dtype)
-      if out is not None:
-        return out
-    a_v, a_s = _quantize_a(cfg, a_src)
+    return _raw_matmul(
+      impl,
+      a_src,
+      cfg.a_block,
+      b,
+      cfg.out_dtype,
+      lambda: _quantize_a(cfg, a_src),
+    )
   return impl.matmul((a_v, a_s, cfg.a_block), b, cfg.out_dtype)
+
+
+def _raw_matmul(impl, a_rc, a_block, b, out_dtype, quantized):
+  """The product with a raw left operand quantized round to nearest: in
+  the product's kernel where the implementation has one for it, else
+  `quantized()` (its values and scales) and the plain product."""
+  if impl.quantizing_matmul is not None:
+    out = impl.quantizing_matmul(a_rc, a_block, b, out_dtype)
+    if out is not None:
+      return out
+  return impl.matmul((*quantized(), a_block), b, out_dtype)
 
 
 def _quantize_a(cfg, a_src):
@@ -432,22 +443,19 @@ def _quantize_a(cfg, a_src):
   )
 
 
-def _dw_from_source(cfg, a_src) -> bool:
-  """Whether the BF16 weight gradient reads the lhs as the caller passed it
-  (`g^T . lhs`; see `_mm_bwd`), so the backward keeps no quantized lhs."""
-  return cfg.grad_rhs and not cfg.grad_rhs_fp8 and a_src is not None
-
-
 def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
-  keep_q = cfg.grad_rhs and not _dw_from_source(cfg, a_src)
-  if a_v is None and keep_q:
-    # The FP8 weight gradient reads `a`'s values: quantize it first and
-    # keep them (a product that quantizes `a` itself returns none).
-    a_v, a_s = _quantize_a(cfg, a_src)
-  out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
-  a_res = (a_v, a_s, None) if keep_q else (None, None, None)
-  if _dw_from_source(cfg, a_src):
+  # The lhs residual: none without a weight gradient; the lhs as passed
+  # for the BF16 one (see `_mm_bwd`); its values and scales for the FP8
+  # one (or where it came without a source), quantized first then (a
+  # product that quantizes `a` itself returns none).
+  a_res = (None, None, None)
+  if cfg.grad_rhs and not cfg.grad_rhs_fp8 and a_src is not None:
     a_res = (None, None, a_src)
+  elif cfg.grad_rhs:
+    if a_v is None:
+      a_v, a_s = _quantize_a(cfg, a_src)
+    a_res = (a_v, a_s, None)
+  out = _mm(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg)
   return out, (*a_res, b_v, b_s, key)
 
 
@@ -489,11 +497,11 @@ def _mm_bwd(cfg, res, g_mn):
     # Without a Hadamard transform to undo, the kernel writes the gradient's
     # dtype directly (one rounding of the f32 sums either way).
     acc = _acc_dtype(cfg, cfg.a_dtype)
-    if impl.quantizing_matmul is not None and seed_hash is None and not fp8_dw:
-      # No other use of the quantized g: quantized in the product's kernel
-      # where it has one (the same values as `g_q`).
-      da = impl.quantizing_matmul(g_mn, grad_block, bt, acc)
-    if da is None:
+    if seed_hash is None and not fp8_dw:
+      # No other use of the quantized g (round to nearest): in the
+      # product's kernel where it can.
+      da = _raw_matmul(impl, g_mn, grad_block, bt, acc, g_q)
+    else:
       da = impl.matmul((*g_q(), grad_block), bt, acc)
     da = _hadamard_undo(da, cfg).astype(cfg.a_dtype)
   if keep_b:
@@ -702,7 +710,6 @@ def _dot_unbatched(
     implementation=implementation,
     grad_lhs=lhs.source is not None,
     grad_rhs=rhs.source is not None,
-    lhs_raw=lhs.values is None,
   )
   a_v, a_s, a_src = _as_matrix(lhs)
   b_v, b_s, b_src = _as_matrix(rhs)

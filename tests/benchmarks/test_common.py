@@ -122,3 +122,30 @@ def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   assert order == ["a", "b", "b", "a", "a", "b"]
   # a: 5, 9, 3 -> 5; b: 1, 2, 4 -> 2
   assert got == {"a": 5.0, "b": 2.0}
+
+
+def test_timed_sets_share_one_work_list():
+  """The attention benchmarks time R input sets with the same offsets in
+  one program (`all_sets`): XLA builds their work list once, as it builds
+  one for all layers of a model (the benchmarks' docstrings say so)."""
+  import re
+
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.jagged_attention import mosaic_gpu as mg
+
+  off = jnp.asarray(common.offsets(np.array([70, 5, 130], np.int32)))
+
+  def one(q):
+    items, _ = mg.query_items(
+      off, off, 256, block_q=64, block_kv=128, causal=False
+    )
+    return items, q.sum()
+
+  def scatters(r):
+    sets = [(jnp.full((256,), i, jnp.float32),) for i in range(r)]
+    txt = common.all_sets(one).lower(sets).compile().as_text()
+    return len(re.findall(r"= \S+ scatter\(", txt))
+
+  assert scatters(1) == scatters(4) == 1

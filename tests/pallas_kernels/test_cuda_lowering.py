@@ -169,3 +169,20 @@ def test_fp8_quantizing_matmul(m, k, n, uniform):
     _spec((k // 128, n), jnp.float32),
     kernels=1,
   )
+
+
+def test_fp8_quantizing_matmul_f32_output_with_one_stage():
+  """`quantizing_fits` says one bf16 stage per quantizer leaves room for
+  an f32 epilogue (the default two do not): it lowers."""
+  bs = matmul_mgpu.QuantizingBlockSizes(stages_a=1)
+  assert matmul_mgpu.quantizing_fits(jnp.float32, bs)
+  f = lambda a, b, sb: matmul_mgpu.quantizing_matmul_mgpu(
+    a, b, sb, block_sizes=bs, out_dtype=jnp.float32, interpret=False
+  )
+  _lowers_for_cuda(
+    f,
+    _spec((65536, 2048)),
+    _spec((512, 2048), jnp.float8_e4m3fn),
+    _spec((16, 512), jnp.float32),
+    kernels=1,
+  )

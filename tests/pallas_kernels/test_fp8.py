@@ -625,6 +625,22 @@ def test_quantizing_matmul_interpret_equals_reference(
   )
 
 
+def test_quantizing_matmul_refuses_what_does_not_fit():
+  """The default tiles with an f32 output take the kernel over its shared
+  memory (234,624 B lowered for CUDA): a clear error when compiling (the
+  op quantizes first there), none in interpret mode."""
+  assert not matmul_mgpu.quantizing_fits(jnp.float32)
+  assert matmul_mgpu.quantizing_fits(jnp.bfloat16)
+  # One bf16 stage per quantizer frees enough for f32.
+  small = matmul_mgpu.QuantizingBlockSizes(stages_a=1)
+  assert matmul_mgpu.quantizing_fits(jnp.float32, small)
+  a = jnp.ones((64, 128), jnp.bfloat16)
+  b = jnp.ones((256, 128), jnp.float8_e4m3fn)
+  sb = jnp.ones((1, 256), jnp.float32)
+  with pytest.raises(ValueError, match="float32 output does not fit"):
+    matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, out_dtype=jnp.float32)
+
+
 def test_quantizing_matmul_is_race_free():
   """The quantizers' hand-offs under the interpreter's race detector."""
   a = _data(jax.random.key(43), (128, 384), jnp.bfloat16)

@@ -294,8 +294,13 @@ def test_wide_rows_take_fewer_output_slots_or_the_reference():
     mosaic_gpu.make_config(
       4096, 8192, jnp.float32, jnp.float32, True, 1e-6, None, True, bwd=True
     )
-  # The kernels at 8192 bf16 (one output slot at this short t), against
+  # The kernels at 8192 bf16 (2 output slots forward, 1 backward), against
   # the reference; f32 at 8192 with gamma and residual is the reference.
+  for bwd, slots in ((False, 2), (True, 1)):
+    cfg = mosaic_gpu.make_config(
+      5, 8192, jnp.bfloat16, jnp.bfloat16, True, 1e-6, None, True, bwd=bwd
+    )
+    assert cfg.out_slots == slots
   key = jax.random.key(7)
   x, g, r = _inputs(key, (5, 8192), jnp.bfloat16, True, True)
   fn = lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=True)
