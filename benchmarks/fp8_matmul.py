@@ -17,7 +17,8 @@ For M x K x N in {16384x4096x4096, 65536x2048x512, 65536x512x2048}:
 
 Baselines in the same process: bf16 `jnp.dot` (cuBLAS), XLA fp8 with a plain
 cast of x, XLA fp8 with a per-tensor scale (amax, scale, cast in XLA), and
-XLA fp8 on inputs already in fp8 (the GEMM alone, an upper bound). Also the
+XLA fp8 on inputs already in fp8 (the GEMM alone, an upper bound; for the
+backward, `_bwd_bound`: cuBLAS fp8 for dX, and for dW too or not). Also the
 kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
 
@@ -196,6 +197,37 @@ def per_tensor_fp8(x, w8, sw):
   return (y * (sx * sw)).astype(BF16)
 
 
+DN_TN = (((1,), (1,)), ((), ()))  # both operands contract their last dim
+
+
+def _bwd_bound(b: Bench, case, sets, bf16_bwd_pair, dw_fp8: bool):
+  """What the backward could reach with cuBLAS's own FP8 GEMM and nothing
+  else: `dx = dy w^T` (and with `dw_fp8` also `dw = x^T dy`) on operands
+  cast to e4m3 and laid out for cuBLAS (contraction dim last) before the
+  timer starts, one scale of 1 per tensor; the rest in bf16 as cuBLAS does
+  it. No quantization pass, no block scales: a bound on any FP8 backward
+  (ours pays both), timed against the bf16 backward like ours."""
+  label = "cuBLAS fp8 GEMMs only (bound), dW " + ("fp8" if dw_fp8 else "bf16")
+
+  def bwd(dy8, w8, x, dy, x8t, dy8t):
+    dx = lax.dot_general(dy8, w8, DN_TN, preferred_element_type=BF16)
+    if dw_fp8:
+      dw = lax.dot_general(x8t, dy8t, DN_TN, preferred_element_type=BF16)
+    else:
+      dw = jnp.dot(x.T, dy)
+    return dx, dw
+
+  args = []
+  for x, w, dy in sets:
+    x8t = x.T.astype(F8) if dw_fp8 else None
+    dy8t = dy.T.astype(F8) if dw_fp8 else None
+    args.append((dy.astype(F8), w.astype(F8), x, dy, x8t, dy8t))
+  t, tb = _time_vs(jax.jit(bwd), args, bf16_bwd_pair)
+  base = dict(baseline="xla bf16 (cuBLAS)", baseline_value=tb * 1e3)
+  b.add(case, label, "bwd ms", t * 1e3, lower_is_better=True, **base)
+  b.add(case, label, "bwd speedup", tb / t, baseline="xla bf16 (cuBLAS)")
+
+
 def bench_shape(b: Bench, m, k, n, copy_bw):
   case = f"{m}x{k}x{n}"
   flops = 2 * m * k * n
@@ -260,6 +292,11 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     b.add(
       case, "xla bf16 (cuBLAS)", "bwd ms", t_bf16_b * 1e3, lower_is_better=True
     )
+    for dw_fp8 in (False, True):
+      b.run(
+        f"{case} backward bound dW fp8={dw_fp8}",
+        functools.partial(_bwd_bound, b, case, sets, bf16_bwd_pair, dw_fp8),
+      )
 
   # ---- ours
   variants = [

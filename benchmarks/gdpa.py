@@ -289,6 +289,23 @@ def run_main(ctx, records, ceilings):
       ratio=achieved / roof,
     )
   )
+  if ctx["base"]["fwd"] is not None:
+    # The forward speed goal restated on the roofline: the fraction of it
+    # a forward `GOALS["fwd"]` times as fast as cuDNN's would run at.
+    need = GOALS["fwd"] * flops / ctx["base"]["fwd"] / 1e12 / roof
+    print(f"{case:12s} the forward goal needs {need:.1%} of it", flush=True)
+    records.append(
+      common.record(
+        "gdpa",
+        case,
+        f"{GOALS['fwd']}x cudnn_padded",
+        "fwd_roofline_fraction",
+        need,
+        baseline="roofline_tflops",
+        baseline_value=roof,
+        ratio=need,
+      )
+    )
   return errs is not None
 
 

@@ -252,6 +252,7 @@ def measure(
     "fwd": device_time(xla_fwd, c.fwd_args),
     "bwd": device_time(jax.jit(xla_vjp), xla_args),
   }
+  _two_in_two_out(c, case, t_xla["fwd"], copy_bw, records)
   baseline = {"fwd": "xla: jit(reference)", "bwd": "xla: jit(reference VJP)"}
   runs = [("mosaic (default)", None, ("fwd", "bwd"))]
   runs += [(f"mosaic, {k}", bs, p) for k, (bs, p) in variants.items()]
@@ -295,6 +296,32 @@ def measure(
           goal=GOAL_COPY_FRACTION,  # bounds the ratio: fraction of copy
         ),
       ]
+
+
+def _two_in_two_out(c: Case, case: str, t_ref: float, copy_bw, records):
+  """The forward's traffic (read x and the residual, write y and h: four
+  `[T, D]` tensors) moved by XLA's simplest elementwise kernel,
+  `(x + r, x - r)`: what the memory system gives that pattern, and so the
+  speedup over XLA's RMSNorm a forward would have if it ran at that rate
+  (its time per byte)."""
+  nb = 4 * c.tensor
+  t = device_time(jax.jit(lambda x, r, g: (x + r, x - r)), c.fwd_args)
+  name = "xla: (x + r, x - r), the forward's bytes"
+  print(
+    f"  D={c.d} fwd {name:44s} {t * 1e3:7.4f} ms {t_ref / t:5.3f}x"
+    f" {nb / t / copy_bw:6.1%} of copy",
+    flush=True,
+  )
+  rec = functools.partial(common.record, "rms_norm", f"{case} fwd", name)
+  records += [
+    rec(
+      "TB/s",
+      nb / t / 1e12,
+      baseline="device copy TB/s",
+      baseline_value=copy_bw / 1e12,
+    ),
+    rec("speedup vs xla", t_ref / t, baseline="xla: jit(reference)"),
+  ]
 
 
 def parts(c: Case, copy_bw: float, copy_variants: dict) -> dict:
