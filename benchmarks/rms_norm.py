@@ -181,29 +181,46 @@ F, FB = ("fwd",), ("fwd", "bwd")
 # D=512. Run 4 (this list): the 3% is the 2 stages (2, 3, 4 or 6 output
 # slots alike; 3 or 4 stages slower), now the forward's default; direct
 # loads at D=2048 -1% again; PDL slows the D=512 backward by 2.4% (now off
-# there).
+# there). 2026-12-01 (.notes/dev/s9_rms*.py): over rows of 2-4 KiB, direct
+# loads with 2 warps per row, 8 KiB tiles and 2 blocks per SM, now the
+# forward's default there (`mosaic_gpu._wide_rows`).
 VARIANTS = {
-  "2 output slots, 4 stages (run 3 default)": (B(out_slots=2, max_stages=4), F),
-  "3 output slots, 2 stages": (B(out_slots=3), F),
-  "2 output slots, 2 stages": (B(out_slots=2), F),
-  "6 output slots, 2 stages": (B(out_slots=6), F),
-  "4 output slots, 3 stages": (B(max_stages=3), F),
+  "SMEM ring (the default over 1 KiB rows)": (B(direct_loads=False), F),
+  "ring, 2 output slots, 4 stages (run 3 default)": (
+    B(direct_loads=False, out_slots=2, max_stages=4),
+    F,
+  ),
+  "ring, 3 output slots, 2 stages": (B(direct_loads=False, out_slots=3), F),
+  "ring, 2 output slots, 2 stages": (B(direct_loads=False, out_slots=2), F),
+  "ring, 6 output slots, 2 stages": (B(direct_loads=False, out_slots=6), F),
+  "ring, 4 output slots, 3 stages": (B(direct_loads=False, max_stages=3), F),
   "no PDL": (B(pdl=False), FB),
   "direct loads, 132 blocks": (B(direct_loads=True), F),
   "direct loads, 264 blocks": (B(direct_loads=True, num_blocks=264), F),
-  "24 KiB tiles, 2 warps per row, 2 output slots": (
-    B(warps_per_row=2, tile_bytes=24 * 1024, out_slots=2),
+  "ring, 24 KiB tiles, 2 warps per row, 2 output slots": (
+    B(
+      direct_loads=False,
+      warps_per_row=2,
+      tile_bytes=24 * 1024,
+      out_slots=2,
+    ),
     F,
   ),
-  "2 blocks per SM, 8 KiB tiles, 2 warps per row": (
-    B(num_blocks=264, tile_bytes=8 * 1024, warps_per_row=2, balance=False),
+  "ring, 2 blocks per SM, 8 KiB tiles, 2 warps per row": (
+    B(
+      direct_loads=False,
+      num_blocks=264,
+      tile_bytes=8 * 1024,
+      warps_per_row=2,
+      balance=False,
+    ),
     F,
   ),
 }
 # The same pipelines moving x -> y without compute (D=2048's 2.1 GB).
 COPY_VARIANTS = {
-  "ring, no PDL, no balance": B(pdl=False, balance=False),
-  "ring (default)": B(),
+  "ring, no PDL, no balance": B(direct_loads=False, pdl=False, balance=False),
+  "ring": B(direct_loads=False),
   "direct loads, 264 blocks": B(direct_loads=True, num_blocks=264),
 }
 
@@ -447,7 +464,7 @@ def main():
     if args.parts:
       # The copy variants at the larger size only (the one the fit of
       # fixed vs streaming cost leans on).
-      copies = {"ring (default)": B()}
+      copies = {"ring": B(direct_loads=False)}
       if args.variants and d == max(DS):
         copies = COPY_VARIANTS
       details[f"parts_d{d}"] = parts(c, copy_bw, copies)

@@ -68,8 +68,10 @@ copying x -> y without compute reaches 91% of XLA's copy, the backward (3
 reads, 1 write) 99%. Variants that did not pay: 2 blocks per SM and
 32 KiB tiles (`num_blocks`, `tile_bytes`), and two that were removed
 after measuring ~1% slower (.notes/rms_norm.md, run 4): L2 evict_first
-bulk stores and contiguous tile runs per block. Direct register loads are
-1% faster at D=2048 only (where a 4-row tile is 16 KiB per input).
+bulk stores and contiguous tile runs per block. Over rows of 2-4 KiB the
+forward's default is registers straight from global memory, 2 warps per
+row and 2 blocks per SM instead (`_wide_rows`: 2% faster at D=2048, 7% at
+D=1024).
 
 Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
@@ -132,7 +134,8 @@ class BlockSizes:
   stages: input buffers in the ring; `None` = as many as fit, at most
     `max_stages` (`None` = 2 in the forward, 4 in the backward and the
     forward with FP8 output).
-  num_blocks: persistent blocks `g`; one per SM fills the chip.
+  num_blocks: persistent blocks `g`; `None` = one per SM (which fills the
+    chip), or two with the wide-row direct loads below.
   tile_bytes: `None` = 16 KiB forward, 8 KiB backward (the backward holds
     more per element in registers: h, dy and the dgamma accumulator).
   direct_stores: outputs go from registers straight to global memory
@@ -143,6 +146,9 @@ class BlockSizes:
     (16-byte loads per lane, the next tile's loads issued before the
     current tile is computed) instead of through the SMEM ring; implies
     direct stores. Only for tiles that divide `t` (else the ring is used).
+    `None` = on in the plain forward over 16-bit rows of 2-4 KiB (d = 1024
+    to 2048 at bf16), with 2 warps per row, 8 KiB tiles and 2 blocks per SM
+    unless set otherwise, where such tiles divide `t` (`_WIDE_ROWS`).
   balance: forward only, `block_rows=None`: among row counts within 2x of
     `tile_bytes` that keep >= 2 stages, take the one whose busiest block
     has the fewest rows (`ceil(ceil(t/m)/g)·m`): the last wave of tiles
@@ -164,12 +170,12 @@ class BlockSizes:
   block_rows: int | None = None
   warps_per_row: int | None = None
   stages: int | None = None
-  num_blocks: int = H200_NUM_SMS
+  num_blocks: int | None = None
   tile_bytes: int | None = None
   max_stages: int | None = None
   max_elems: int | None = None
   direct_stores: bool = False
-  direct_loads: bool = False
+  direct_loads: bool | None = None
   balance: bool = True
   pdl: bool | None = None
   out_slots: int | None = None
@@ -279,6 +285,39 @@ def _stages(bs: BlockSizes, rows, d, itemsize, n_in, n_out, *, acc, quantize):
   return stages, fixed + stages * n_in * tile
 
 
+# The plain forward's tiles over rows of 2-4 KiB (`_wide_rows`).
+_WIDE_ROWS_TILE_BYTES = 8 * 1024
+
+
+def _wide_rows(bs: BlockSizes, t: int, d: int, itemsize: int) -> BlockSizes:
+  """The plain forward's default over 16-bit rows of 2-4 KiB: registers
+  straight from global memory (direct loads and stores), 2 warps per row,
+  8 KiB tiles, 2 blocks per SM, where those tiles divide `t` (else `bs`
+  unchanged: the ring). Measured on the H200 (2026-12-01, one process, two
+  passes, T=262,144 bf16 with residual and gamma, against the ring's
+  defaults): d=2048 1.089-1.090 vs 1.115-1.117 ms (94.3% vs 92.1% of
+  copy), d=1024 0.563-0.573 vs 0.608-0.610 ms. Not at d=512 (within 1%
+  either way) or d=4096 (1.116-1.121 vs 1.114-1.116 ms, T=131,072). One
+  tile ahead: two or three raised d=2048 to 1.116-1.119 ms; one block per
+  SM 1.396 ms, three 1.126 ms; 4-row tiles 1.183 ms."""
+  row_bytes = d * itemsize
+  rows = _WIDE_ROWS_TILE_BYTES // row_bytes
+  if (
+    itemsize != 2
+    or not 2048 <= row_bytes <= 4096
+    or d // _vec(itemsize) % 64  # 2 warps per row
+    or t % (bs.block_rows or rows)
+  ):
+    return bs
+  return dataclasses.replace(
+    bs,
+    direct_loads=True,
+    warps_per_row=bs.warps_per_row or 2,
+    block_rows=bs.block_rows or rows,
+    num_blocks=bs.num_blocks or 2 * H200_NUM_SMS,
+  )
+
+
 def _busiest_rows(t: int, rows: int, g: int) -> int:
   """Rows of the block with the most tiles (`g` blocks, `rows` per tile)."""
   return pl.cdiv(pl.cdiv(t, rows), g) * rows
@@ -307,6 +346,13 @@ def make_config(
     bs = dataclasses.replace(bs, direct_stores=False, direct_loads=False)
   # The plain forward: 2 stages (measured), 4 output slots (measured alike).
   plain_fwd = not bwd and not quantize
+  if plain_fwd and bs.direct_loads is None:
+    bs = _wide_rows(bs, t, d, itemsize)
+  bs = dataclasses.replace(
+    bs,
+    direct_loads=bool(bs.direct_loads),
+    num_blocks=bs.num_blocks or H200_NUM_SMS,
+  )
   bs = dataclasses.replace(
     bs,
     out_slots=bs.out_slots or (4 if plain_fwd else 2),

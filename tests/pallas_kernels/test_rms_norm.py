@@ -208,6 +208,53 @@ def test_default_pipeline_settings():
   assert (bwd.stages, bwd.out_slots, bwd.pdl) == (4, 2, False)
   assert (fp8_out.stages, fp8_out.out_slots) == (4, 2)
   assert not (fwd.direct_loads or bwd.direct_loads)
+  assert fwd.num_blocks == bwd.num_blocks == mosaic_gpu.H200_NUM_SMS
+
+
+@pytest.mark.parametrize("t,d", [(262_144, 2048), (262_144, 1024), (8, 1024)])
+def test_wide_rows_default(t, d):
+  """The plain forward over 16-bit rows of 2-4 KiB loads straight into
+  registers, 2 warps per row, 8 KiB tiles, 2 blocks per SM (measured,
+  `_wide_rows`); not where those tiles do not divide `t`, not in the
+  backward, not for f32 or other widths, not where the caller says."""
+
+  def cfg(t=t, d=d, dtype=jnp.bfloat16, bwd=False, **kw):
+    bs = mosaic_gpu.BlockSizes(**kw) if kw else None
+    return mosaic_gpu.make_config(
+      t, d, dtype, dtype, True, 1e-6, bs, False, bwd=bwd
+    )
+
+  wide = cfg()
+  rows = 8192 // (2 * d)
+  assert (wide.direct_loads, wide.warps_per_row, wide.block_rows) == (
+    True,
+    2,
+    rows,
+  )
+  assert wide.num_blocks == min(2 * mosaic_gpu.H200_NUM_SMS, t // rows)
+  assert not cfg(t=t + 1).direct_loads  # ragged: the ring
+  assert not cfg(bwd=True).direct_loads
+  assert not cfg(d=512).direct_loads and not cfg(d=4096).direct_loads
+  assert not cfg(dtype=jnp.float32).direct_loads
+  assert not cfg(direct_loads=False).direct_loads
+  assert cfg(num_blocks=132).num_blocks == min(132, t // rows)
+
+
+def test_wide_rows_default_matches_reference():
+  """The wide-row default (direct loads, 2 warps per row) on bf16 rows of
+  2 KiB, several tiles per block, against the reference."""
+  key = jax.random.key(11)
+  x, g, r = _inputs(key, (40, 1024), jnp.bfloat16, True, True)
+  bs = mosaic_gpu.BlockSizes(num_blocks=3)
+  cfg = mosaic_gpu.make_config(
+    40, 1024, jnp.bfloat16, jnp.bfloat16, True, 1e-6, bs, True, bwd=False
+  )
+  assert cfg.direct_loads and cfg.warps_per_row == 2
+
+  def fn(x, g, r):
+    return rms_norm_mosaic(x, g, r, fwd_block_sizes=bs, interpret=True)
+
+  _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
   # Interpret mode drops what the interpreter lacks (PDL).
   bs = mosaic_gpu.BlockSizes(pdl=True)
   interp = mosaic_gpu.make_config(
@@ -358,6 +405,8 @@ def test_default_dispatch_on_cpu_is_xla():
     # Ragged tails on real hardware, where rows past `t` hold stale SMEM.
     *[((262_144 + 37, 512), g, r, None) for g, r in VARIANTS],
     ((65_536 + 3, 2048), True, True, None),  # bwd: rows over 2 warps
+    ((65_536, 2048), True, True, None),  # fwd: wide rows, direct loads
+    ((131_072, 1024), True, False, None),
     ((4_099, 8, 64), True, False, None),  # QK-norm: 4 rows per warp
     # Both store paths explicitly, ragged.
     ((262_144 + 37, 512), True, True, dict(direct_stores=True)),
