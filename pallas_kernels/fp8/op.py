@@ -11,14 +11,17 @@ signature and computes the product from FP8 operands with block scales:
 `Q` quantizes along the contraction axis (format.py), once per tensor: the
 backward reuses the forward's quantized rhs (with MXFP8's square blocks the
 transposed use shares values and scales; with 1x128 activations the FP8
-weight-gradient path re-quantizes the lhs). Gradients are straight-through:
-the derivative of the FP8 product is taken as that of the exact product of
-its operands. The BF16 weight gradient reads the lhs as the caller passed
-it (its `source` for an `Fp8Tensor`), which the backward keeps instead of
-the quantized lhs: it carries no activation quantization error, needs no
-dequantize pass (on the H200 that pass cost more than the FP8 product
-saved at 65536 x 2048 x 512), and keeps what a BF16 layer keeps. With a
-Hadamard transform the FP8 gradients are rotated back (`d x = d(x M) M^T`).
+weight gradient quantizes g and the lhs again along m, transposed, in one
+pass each: `quantize_mgpu.transpose_quantize_mgpu` reads g as it is and
+the lhs as the forward's values and scales, without writing a transpose).
+Gradients are straight-through: the derivative of the FP8 product is taken
+as that of the exact product of its operands. The BF16 weight gradient
+reads the lhs as the caller passed it (its `source` for an `Fp8Tensor`),
+which the backward keeps instead of the quantized lhs: it carries no
+activation quantization error, needs no dequantize pass (on the H200 that
+pass cost more than the FP8 product saved at 65536 x 2048 x 512), and
+keeps what a BF16 layer keeps. With a Hadamard transform the FP8
+gradients are rotated back (`d x = d(x M) M^T`).
 
 Operands may be raw arrays (quantized here) or `Fp8Tensor`s from `quantize`
 (e.g. weights quantized once per step, or on their FSDP shard before the
@@ -80,6 +83,23 @@ def _quantize_2d_xla(x_rc, block, hadamard, hadamard_seed, seed_hash):
     hadamard=hadamard,
     hadamard_seed=hadamard_seed,
     seed_hash=seed_hash,
+  )
+
+
+def _bf16_source(x, scales, x_block):
+  """`x` as bf16: itself if raw (`scales` None), else dequantized (bf16
+  holds every e4m3 value times a power-of-two scale exactly, down to
+  2^-133, and the quantize kernel reads bf16)."""
+  if scales is None:
+    return x
+  return ref.dequantize_reference(x, scales, block=x_block, dtype=jnp.bfloat16)
+
+
+def _quantize_t_xla(x, scales, x_block, block, seed_hash):
+  """`x^T` quantized in `block`s: `x` raw, or values with `scales` in
+  `x_block`s (dequantized first)."""
+  return _quantize_2d_xla(
+    _bf16_source(x, scales, x_block).T, block, None, 0, seed_hash
   )
 
 
@@ -163,6 +183,63 @@ def _quantize_2d_mosaic(x_rc, block, hadamard, hadamard_seed, seed_hash):
   seed = jnp.asarray(seed_hash if sr else 0, jnp.int32)
   f = _quantize_kernel_fn(tuple(block), hadamard, hadamard_seed, sr, r, c)
   return f(x_rc, seed)
+
+
+@functools.cache
+def _transpose_quantize_fn(r: int, c: int):
+  """The transposing kernel on one `[r, c]` matrix (padded to tiles), bf16
+  or e4m3 with its compact scales; batched with `lax.map`."""
+  tile = quantize_mgpu.TILE_C
+  rp, cp = _round_up(r, tile), _round_up(c, tile)
+
+  def one(x, *scales):
+    x = jnp.pad(x, ((0, rp - r), (0, cp - c)))
+    # The scales one per (128-column block, row); padded rows are zeros,
+    # which any scale (1) keeps zero.
+    sx = [
+      jnp.pad(_expand(s, 1, r), ((0, 0), (0, rp - r)), constant_values=1)
+      for s in scales
+    ]
+    v, se = quantize_mgpu.transpose_quantize_mgpu(
+      x, *sx, interpret=_interpret()
+    )
+    return v[:c, :r], se.T[:c, : -(-r // tile)]
+
+  @jax.custom_batching.custom_vmap
+  def f(*args):
+    return one(*args)
+
+  @f.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [
+      a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+      for a, b in zip(args, in_batched, strict=True)
+    ]
+    return lax.map(lambda t: one(*t), tuple(args)), (True, True)
+
+  return f
+
+
+def _quantize_t_mosaic(x, scales, x_block, block, seed_hash):
+  """`_quantize_t_xla` by the transposing kernel where it applies (1 x 128
+  blocks, round to nearest, bf16 `x` or e4m3 `x` in 1 x 128 blocks), else
+  by the quantize kernel on the transposed bf16 source."""
+  r, c = x.shape
+  raw = scales is None
+  if (
+    tuple(block) == (1, 128)
+    and seed_hash is None
+    and 0 not in (r, c)
+    and (
+      (raw and x.dtype == jnp.bfloat16)
+      or (not raw and x.dtype == fmt.E4M3 and tuple(x_block) == (1, 128))
+    )
+  ):
+    f = _transpose_quantize_fn(r, c)
+    return f(x) if raw else f(x, scales)
+  return _quantize_2d_mosaic(
+    _bf16_source(x, scales, x_block).T, block, None, 0, seed_hash
+  )
 
 
 def _expand(s_RC, br: int, rows: int):
@@ -285,12 +362,18 @@ class _Impl:
   # quantized in the kernel (round to nearest, no Hadamard), or None where
   # it does not apply. None: never.
   quantizing_matmul: object = None
+  # `(x, scales, x_block, block, seed_hash)`: `x^T` quantized in `block`s
+  # (no Hadamard), `x` raw (`scales` None) or quantized in `x_block`s.
+  quantize_t: object = _quantize_t_xla
 
 
 IMPLEMENTATIONS = {
   "xla": _Impl(_quantize_2d_xla, _matmul_xla),
   "mosaic": _Impl(
-    _quantize_2d_mosaic, _matmul_mosaic, _quantizing_matmul_mosaic
+    _quantize_2d_mosaic,
+    _matmul_mosaic,
+    _quantizing_matmul_mosaic,
+    _quantize_t_mosaic,
   ),
 }
 
@@ -511,15 +594,11 @@ def _mm_bwd(cfg, res, g_mn):
         gt = _transposed(*g_q(), grad_block)
         at = _transposed(a_v, a_s, cfg.a_block)
       else:
-        gt = (*impl.quantize_2d(g_mn.T, grad_block, None, 0, seed_hash),)
-        gt = (*gt, grad_block)
-        # bf16 holds every e4m3 value times a power-of-two scale exactly
-        # (down to 2^-133), and the quantize kernel reads bf16.
-        a_deq = ref.dequantize_reference(
-          a_v, a_s, block=cfg.a_block, dtype=jnp.bfloat16
-        )
-        at = (*impl.quantize_2d(a_deq.T, grad_block, None, 0, None),)
-        at = (*at, grad_block)
+        # Both operands quantized again along m, transposed: g from bf16,
+        # the lhs from its values and scales (dequantized in registers).
+        gt = impl.quantize_t(g_mn, None, None, grad_block, seed_hash)
+        at = impl.quantize_t(a_v, a_s, cfg.a_block, grad_block, None)
+        gt, at = (*gt, grad_block), (*at, grad_block)
       db = impl.matmul(gt, at, _acc_dtype(cfg, cfg.b_dtype))
       db = _hadamard_undo(db, cfg)
     else:

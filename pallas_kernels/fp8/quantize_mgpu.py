@@ -60,6 +60,16 @@ spread over four workers instead of two programs. The narrow input is
 moved in ~28 us, where launch and ramp weigh: a copy of the same size
 reaches 0.88 of the 1 GiB one. Earlier figures timed one input per call,
 which at the narrow shape timed the host's dispatch (~32 us per call).
+
+Transposed (`transpose_quantize_mgpu`, the FP8 weight gradient's operands
+with 1x128 activations: `x^T` quantized along the rows of `x`): the tile
+is transposed by the tensor cores (the identity times the tile read
+transposed, exact), from bf16 or from e4m3 values with their scales. On
+the H200 (.notes/dev/s9_tq.py, 2026-11-30, three inputs per timed call)
+at 16384 x 4096 / 65536 x 2048 / 65536 x 512: from bf16 80 / 137 / 51 us
+(0.62 / 0.72 / 0.48 of copy) against 132 / 254 / 69 us for an XLA
+transpose then `quantize_mgpu`; from e4m3 54 / 95 / 33 us against 119 /
+225 / 63 us for dequantize, transpose, quantize.
 """
 
 import functools
@@ -617,3 +627,131 @@ def _steps_per_program(row_tiles: int, col_tiles: int, num_sms: int) -> int:
     if row_tiles % d == 0 and col_tiles * (row_tiles // d) >= 4 * num_sms:
       best = d
   return best
+
+
+# ---------------------------------------------------------------------------
+# Transposed quantization: `x^T` in 1 x 128 blocks, from `x` as stored.
+# ---------------------------------------------------------------------------
+
+_F8_TILES = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+
+
+def _transpose_kernel(
+  x_gmem,
+  eye_gmem,
+  sx_gmem,
+  q_gmem,
+  se_gmem,
+  eye_smem,
+  q_smem,
+  s_smem,
+  bar,
+  *,
+  steps,
+  stages,
+  scaled,
+):
+  """Program `(c, r)`: column tile `c` of `x` (row tile of `x^T`) over
+  `steps` row tiles. Per `[128, 128]` tile, two wgmmas with rows of the
+  identity as the left operand and the tile read transposed as the right
+  one put `x^T` in registers (exact: every product is `1 * x` or `0 * x`,
+  summed in f32), times `x`'s own scales where it arrives quantized; then
+  the 1 x 128 block maxima are row maxima, as in `quantize_mgpu`."""
+  ct, rt = lax.axis_index("c"), lax.axis_index("r")
+  plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+
+  def body(idx, x_smem, *sx):
+    (s,) = idx
+    slot = lax.rem(s, 2)
+    tile = rt * steps + s  # row tile of x: column tile of x^T
+    # The stores issued two steps ago read this slot (two groups a step).
+    plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+    for half in range(2):
+      rows = pl.ds(half * TILE_R, TILE_R)
+
+      def mm(acc_ref, rows=rows):
+        plgpu.wgmma(acc_ref, eye_smem.at[rows], x_smem.transpose((1, 0)))
+        return acc_ref[...]
+
+      y = pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32))
+      if scaled:
+        cs = plgpu.load(sx[0].at[0], layout=_COL)  # x's row scales
+        y = y * lax.broadcast_in_dim(cs, y.shape, [1])
+      q, scale = quantize_chunk(y, jnp.max(jnp.abs(y), axis=1))
+      q_smem.at[slot, rows][...] = q
+      s_smem.at[slot, :, rows][0, :] = scale
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+      q_smem.at[slot],
+      q_gmem.at[pl.ds(ct * TILE_C, TILE_C), pl.ds(tile * TILE_C, TILE_C)],
+    )
+    plgpu.copy_smem_to_gmem(
+      s_smem.at[slot], se_gmem.at[pl.ds(tile, 1), pl.ds(ct * TILE_C, TILE_C)]
+    )
+
+  fp8 = x_gmem.dtype == fmt.E4M3
+  run = pl.ds(rt * steps * TILE_C, steps * TILE_C)
+  in_specs = [
+    plgpu.BlockSpec(
+      (TILE_C, TILE_C),
+      lambda s: (s, 0),
+      transforms=_F8_TILES if fp8 else _BF16_TILES,
+    )
+  ]
+  args = [x_gmem.at[run, pl.ds(ct * TILE_C, TILE_C)]]
+  if scaled:
+    in_specs.append(plgpu.BlockSpec((1, TILE_C), lambda s: (0, s)))
+    args.append(sx_gmem.at[pl.ds(ct, 1), run])
+  plgpu.emit_pipeline(
+    body, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages
+  )(*args)
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages"))
+def transpose_quantize_mgpu(
+  x_rc, sx_Cr=None, *, interpret=False, num_sms=132, stages=2
+):
+  """`(v_cr, se_Rc)`: `x^T` quantized round to nearest in 1 x 128 blocks
+  (along `r`), the values and scales `quantize_mgpu(x.T, block=(1, 128))`
+  gives, without writing `x.T` first. `x_rc` is bf16, or e4m3 values with
+  their scales `sx_Cr` (one per 128-column block and row, `[c / 128, r]`,
+  as `quantize_mgpu` writes them): then `x^T` is dequantized in registers
+  and quantized again, as `quantize_mgpu(dequantize(x).T)` would. `r` and
+  `c` must be multiples of 128. Grid form: programs of `steps` tiles of one
+  column tile, `stages` tiles in flight."""
+  r, c = x_rc.shape
+  if r % TILE_C or c % TILE_C:
+    raise ValueError(f"transpose_quantize_mgpu needs 128 | r, c: {r=} {c=}")
+  scaled = sx_Cr is not None
+  if scaled != (x_rc.dtype == fmt.E4M3):
+    raise ValueError("scales go with e4m3 values, and only with them")
+  if scaled and sx_Cr.shape != (c // TILE_C, r):
+    raise ValueError(f"scales {sx_Cr.shape} for x {x_rc.shape}")
+  dtype = fmt.E4M3 if scaled else jnp.bfloat16
+  x_rc = x_rc.astype(dtype)
+  row_tiles, col_tiles = r // TILE_C, c // TILE_C
+  steps = _steps_per_program(row_tiles, col_tiles, num_sms)
+  kernel = functools.partial(
+    _transpose_kernel, steps=steps, stages=min(steps, stages), scaled=scaled
+  )
+  eye = jnp.eye(TILE_C, dtype=dtype)
+  sx = sx_Cr.astype(jnp.float32) if scaled else jnp.zeros((1, 1), jnp.float32)
+  tiles = _F8_TILES if scaled else _BF16_TILES
+  return plgpu.kernel(
+    kernel,
+    out_type=(
+      jax.ShapeDtypeStruct((c, r), fmt.E4M3),
+      jax.ShapeDtypeStruct((r // TILE_C, c), jnp.float32),
+    ),
+    grid=(col_tiles, row_tiles // steps),
+    grid_names=("c", "r"),
+    scratch_types=(
+      plgpu.SMEM((TILE_C, TILE_C), dtype, transforms=tiles),
+      plgpu.SMEM((2, TILE_C, TILE_C), fmt.E4M3),
+      plgpu.SMEM((2, 1, TILE_C), jnp.float32),
+      plgpu.Barrier(num_barriers=1),
+    ),
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(x_rc, eye, sx)

@@ -531,6 +531,81 @@ def test_quantize_kernel_interpret_equals_reference(
     assert np.all(d <= step) and np.mean(d == 0) > 0.999
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("r,c,num_sms", [(384, 256, 1), (256, 128, 2)])
+def test_transpose_quantize_interpret_equals_quantize_of_transpose(
+  r, c, num_sms, scaled
+):
+  """`x^T` quantized from `x` as stored (bf16, or e4m3 values with their
+  scales, dequantized in registers) equals `quantize_mgpu` of the
+  transposed (dequantized) matrix bit for bit: the identity wgmma's sums
+  are exact. Programs of several tiles (num_sms=1) and of one."""
+  x = _data(jax.random.key(50), (r, c), jnp.bfloat16)
+  # A subnormal e4m3 result and zeros (the block maximum sets the scale).
+  x = x.at[:4, 0].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
+  src, sx = x, None
+  if scaled:
+    src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128), interpret=True)
+    sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
+    x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
+  v, se = quantize_mgpu.transpose_quantize_mgpu(
+    src, sx, interpret=True, num_sms=num_sms
+  )
+  rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128), interpret=True)
+  assert v.shape == (c, r) and se.shape == (r // 128, c)
+  np.testing.assert_array_equal(se, rse)
+  np.testing.assert_array_equal(v.astype(jnp.float32), rv.astype(jnp.float32))
+
+
+def test_transpose_quantize_refuses_bad_input():
+  x = jnp.zeros((128, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="128"):
+    quantize_mgpu.transpose_quantize_mgpu(x[:64], interpret=True)
+  with pytest.raises(ValueError, match="scales go with e4m3"):
+    quantize_mgpu.transpose_quantize_mgpu(x, jnp.ones((1, 128)), interpret=True)
+  with pytest.raises(ValueError, match="scales"):
+    quantize_mgpu.transpose_quantize_mgpu(
+      x.astype(jnp.float8_e4m3fn), jnp.ones((2, 128)), interpret=True
+    )
+
+
+def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
+  """The FP8 weight gradient (1 x 128 activations) quantizes g^T from g
+  and the lhs^T from the forward's values and scales with the transposing
+  kernel, not by writing transposes first; results equal the reference,
+  also off the 128-row tile and under vmap."""
+  calls = []
+  kernel = quantize_mgpu.transpose_quantize_mgpu
+
+  def spy(x, *args, **kwargs):
+    calls.append((x.shape, x.dtype.name))
+    return kernel(x, *args, **kwargs)
+
+  monkeypatch.setattr(quantize_mgpu, "transpose_quantize_mgpu", spy)
+  fp8_op._transpose_quantize_fn.cache_clear()
+  jax.clear_caches()
+  x = _data(jax.random.key(51), (70, 256), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(52), (256, 300), jnp.bfloat16, spread=1.0)
+  g = _data(jax.random.key(53), (70, 300), jnp.bfloat16, spread=1.0)
+  f = functools.partial(
+    fp8.fp8_dot_general, dimension_numbers=DN, grad_rhs_fp8=True
+  )
+  o1, grads1 = _grads(functools.partial(f, implementation="mosaic"), x, w, g)
+  # g [70, 300] and x [70, 256], rows padded to 128, columns to 384 / 256.
+  assert calls == [((128, 384), "bfloat16"), ((128, 256), "float8_e4m3fn")]
+  o2, grads2 = _grads(functools.partial(f, implementation="xla"), x, w, g)
+  for a, b in ((o1, o2), *zip(grads1, grads2, strict=True)):
+    _close_bf16(a, b)
+  xs = jnp.stack([x, x[::-1]])
+  gs = jnp.stack([g, g[::-1]])
+
+  def batched(impl):
+    one = functools.partial(f, implementation=impl)
+    return jax.vmap(lambda x, g: _grads(one, x, w, g)[1][1])(xs, gs)
+
+  _close_bf16(batched("mosaic"), batched("xla"))
+
+
 _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
 
 
@@ -833,9 +908,31 @@ def test_gpu_quantize_kernel(block, hb, sr, kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("r,c", [(6144, 2048), (65536, 512), (640, 384)])
+def test_gpu_transpose_quantize_kernel(r, c, scaled):
+  """Compiled: `x^T` quantized (or requantized) in one pass equals the
+  quantize kernel on the transposed (dequantized) matrix, bit for bit."""
+  x = _data(jax.random.key(54), (r, c), jnp.bfloat16)
+  src, sx = x, None
+  if scaled:
+    src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
+    x = (src.astype(jnp.float32) * jnp.repeat(sx, 128, axis=0).T).astype(
+      jnp.bfloat16
+    )
+  v, se = quantize_mgpu.transpose_quantize_mgpu(src, sx)
+  rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128))
+  np.testing.assert_array_equal(np.asarray(se), np.asarray(rse))
+  np.testing.assert_array_equal(
+    np.asarray(v, np.float32), np.asarray(rv, np.float32)
+  )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("format", ["mxfp8", "deepseek"])
 @pytest.mark.parametrize("m,k,n", [(4096, 2048, 1024), (8192, 512, 2048)])
-def test_gpu_dot_general_matches_reference(format, m, k, n):
+@pytest.mark.parametrize("grad_rhs_fp8", [False, True])
+def test_gpu_dot_general_matches_reference(format, m, k, n, grad_rhs_fp8):
   x = _data(jax.random.key(35), (m, k), jnp.bfloat16, spread=0.5)
   w = _data(jax.random.key(36), (k, n), jnp.bfloat16, spread=0.5)
   g = _data(jax.random.key(37), (m, n), jnp.bfloat16, spread=0.5)
@@ -846,6 +943,7 @@ def test_gpu_dot_general_matches_reference(format, m, k, n):
         fp8.fp8_dot_general,
         dimension_numbers=DN,
         format=format,
+        grad_rhs_fp8=grad_rhs_fp8,
         implementation=impl,
       )
     )
