@@ -45,6 +45,14 @@ and stores by TMA.
 
 Shapes must be multiples of the CTA tile and of `tile_k` (the wrapper pads).
 
+Split-K (`splits`, `k_splits`): a product with too few output tiles to
+fill the chip, such as a weight gradient `[2048, 512]` over 65,536
+tokens (64 CTAs for 132 SMs, each 512 k-steps long), cuts the contraction
+into runs whose f32 partial tiles are summed afterwards. On the H200
+(benchmarks/fp8_matmul.py, 2026-12-01) two runs took the FP8-dW backward
+at 65536 x 2048 x 512 / 65536 x 512 x 2048 from 0.651 / 0.713 ms to
+0.539 / 0.606 ms.
+
 Quantizing `a` in the kernel (`quantizing_matmul_mgpu`): `a` arrives as
 bf16 and is quantized in 1 x 128 blocks on its way to the wgmma, so it is
 read once instead of read, written as e4m3 and read again. Two quantizer
@@ -153,6 +161,29 @@ def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
   return bs
 
 
+# Fewest k-steps a split-K run keeps (`k_splits`).
+_SPLIT_MIN_K_STEPS = 64
+
+
+def k_splits(m: int, n: int, k: int, bs: BlockSizes, num_sms: int = 132):
+  """Runs to cut the contraction into (`scaled_matmul_mgpu`'s `splits`):
+  doubled while the product's CTAs (output tiles, times the runs) fill no
+  more than the chip and each run keeps >= `_SPLIT_MIN_K_STEPS` k-steps;
+  1 for products whose tiles fill the chip. A weight gradient such as
+  `dW [2048, 512]` over 65,536 tokens has 64 CTA tiles for 132 SMs: two
+  runs of 32,768."""
+  clu_m, clu_n = bs.cluster_tile()
+  ctas = (m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
+  steps, splits = k // bs.tile_k, 1
+  while (
+    2 * splits * ctas <= num_sms
+    and steps % (2 * splits) == 0
+    and steps // (2 * splits) >= _SPLIT_MIN_K_STEPS
+  ):
+    splits *= 2
+  return splits
+
+
 def _block_scale(ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
   """The `[tile_m, tile_n]` scale of one k-block's product: row scales `ra`
   (wgmma row layout) times the weight scales of columns `n0 ..` of
@@ -212,6 +243,7 @@ def _kernel(
   bs,
   b_scale_uniform,
   num_programs,
+  splits,
 ):
   m, k = a_gmem.shape
   n = b_gmem.shape[0]
@@ -220,7 +252,10 @@ def _kernel(
   subs = tile_k // kb
   cta_m, cta_n = bs.cta_tile()
   clu_m, clu_n = bs.cluster_tile()
-  m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
+  # With `splits` > 1 the contraction is cut into that many runs, each an
+  # output tile of its own (`out_gmem[split]`), summed by the caller.
+  m_iters, n_iters = m // clu_m, n // clu_n
+  k_iters = k // tile_k // splits
   # An 8-bit wgmma consumes k in groups of `swizzle` bytes; one k-block per
   # wgmma means swizzle == kb.
   swizzle = kb
@@ -248,7 +283,7 @@ def _kernel(
   chained = (
     k_iters <= _CHAIN_MAX_K_STEPS
     and k_iters % bs.max_concurrent_steps == 0
-    and tiles >= 2 * num_programs
+    and splits * tiles >= 2 * num_programs
   )
 
   def get_pipeline(body, compute_context, state=None):
@@ -293,9 +328,13 @@ def _kernel(
     wg_idx = lax.axis_index("wg")
     cta_idx = 0 if bs.cluster_dimension is None else lax.axis_index("cluster")
 
-    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    @plgpu.nd_loop((splits * tiles,), collective_axes="sm")
     def _mn_loop(info: plgpu.NDLoopInfo):
       (lin,) = info.index
+      split, lin = lax.div(lin, tiles), lax.rem(lin, tiles)
+      out = out_gmem.at[split] if splits > 1 else out_gmem
+      k_run = pl.ds(split * (k_iters * tile_k), k_iters * tile_k)
+      j_run = pl.ds(split * (k_iters * subs), k_iters * subs)
       m_idx, n_idx = plgpu.planar_snake(
         lin, (m_iters, n_iters), bs.grid_minor_dim, bs.grid_tile_width
       )
@@ -322,7 +361,7 @@ def _kernel(
         _store_tile(
           acc,
           out_smem.at[wg_idx],
-          out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n],
+          out.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n],
           bs,
         )
 
@@ -381,10 +420,10 @@ def _kernel(
           ),
         )
       get_pipeline(mma_body, compute_context, state)(
-        a_gmem.at[cta_m_slice, :],
-        b_gmem.at[cta_n_slice, :],
-        sa_gmem.at[:, cta_m_slice],
-        sb_gmem.at[:, cta_n_slice],
+        a_gmem.at[cta_m_slice, k_run],
+        b_gmem.at[cta_n_slice, k_run],
+        sa_gmem.at[j_run, cta_m_slice],
+        sb_gmem.at[j_run, cta_n_slice],
         allocations=pipeline_allocs,
       )
 
@@ -739,6 +778,7 @@ def quantizing_matmul_mgpu(
     "num_sms",
     "interpret",
     "b_scale_uniform",
+    "splits",
   ),
 )
 def scaled_matmul_mgpu(
@@ -753,21 +793,31 @@ def scaled_matmul_mgpu(
   num_sms: int = 132,
   interpret: bool = False,
   b_scale_uniform: bool = False,
+  splits: int = 1,
 ):
   """`out_mn`; see the module docstring. Shapes must fit the tiles.
 
   `b_scale_uniform`: the caller guarantees that `sb_Jn` is constant over
   every aligned group of `tile_n` columns (128 x 128 weight blocks): the
-  kernel then folds it into the row scales.
+  kernel then folds it into the row scales. `splits` > 1 (split-K, for
+  products with too few output tiles to fill the chip): the contraction
+  is cut into that many runs of `k / splits`, each computed as an output
+  tile of its own in f32, and the runs are summed here.
   """
   m, k = a_mk.shape
   n, k2 = b_nk.shape
   bs = block_sizes
   clu_m, clu_n = bs.cluster_tile()
-  if k != k2 or m % clu_m or n % clu_n or k % bs.tile_k or bs.tile_k % kb:
+  if (
+    k != k2
+    or m % clu_m
+    or n % clu_n
+    or k % (bs.tile_k * splits)
+    or bs.tile_k % kb
+  ):
     raise ValueError(
       f"scaled_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit the"
-      f" tiles {clu_m}x{clu_n}x{bs.tile_k} (kb={kb})"
+      f" tiles {clu_m}x{clu_n}x{bs.tile_k} (kb={kb}, {splits=})"
     )
   if kb not in (32, 64, 128):
     raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
@@ -776,20 +826,24 @@ def scaled_matmul_mgpu(
   # A persistent grid of clusters (one CTA each unless `cluster_dimension`):
   # no more programs than output tiles.
   csize = 1 + (bs.cluster_dimension is not None)
-  num_sms = min(num_sms // csize, (m // clu_m) * (n // clu_n))
+  num_sms = min(num_sms // csize, splits * (m // clu_m) * (n // clu_n))
   kernel = functools.partial(
     _kernel,
     kb=kb,
     bs=bs,
     b_scale_uniform=b_scale_uniform,
     num_programs=num_sms,
+    splits=splits,
   )
   cluster = {}
   if bs.cluster_dimension is not None:
     cluster = dict(cluster=(2,), cluster_names=("cluster",))
-  return plgpu.kernel(
+  out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+  if splits > 1:
+    out_type = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+  out = plgpu.kernel(
     kernel,
-    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    out_type=out_type,
     grid=(num_sms,),
     grid_names=("sm",),
     num_threads=3,
@@ -805,3 +859,4 @@ def scaled_matmul_mgpu(
     sa_Jm.astype(jnp.float32),
     sb_Jn.astype(jnp.float32),
   )
+  return out.sum(axis=0).astype(out_dtype) if splits > 1 else out

@@ -284,7 +284,14 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       out = matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, **kw)
     else:
       sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
-      out = matmul_mgpu.scaled_matmul_mgpu(a, sa, b, sb, kb=kb, **kw)
+      # Too few output tiles for the chip (weight gradients): split-K,
+      # with f32 partial tiles (and the epilogue buffers for them).
+      splits = matmul_mgpu.k_splits(mp, np_, kp, bs)
+      if splits > 1:
+        kw["block_sizes"] = matmul_mgpu.default_block_sizes(kb, jnp.float32)
+      out = matmul_mgpu.scaled_matmul_mgpu(
+        a, sa, b, sb, kb=kb, splits=splits, **kw
+      )
     return out[:rows, :n]
 
   def split(args):

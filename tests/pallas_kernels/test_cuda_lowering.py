@@ -166,6 +166,27 @@ def test_fp8_matmul(kb, op_default, m, k, n):
   )
 
 
+@pytest.mark.parametrize("m,n", [(512, 2048), (2048, 512)])
+def test_fp8_matmul_split_k(m, n):
+  """The FP8 weight gradients of the narrow benchmark shapes (65,536
+  tokens): split-K with f32 partial tiles, as the op runs them."""
+  f8, k, kb = jnp.float8_e4m3fn, 65536, 128
+  bs = matmul_mgpu.default_block_sizes(kb, jnp.float32)
+  splits = matmul_mgpu.k_splits(m, n, k, bs)
+  assert splits == 2
+  f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
+    a, sa, b, sb, kb=kb, block_sizes=bs, splits=splits, interpret=False
+  )
+  _lowers_for_cuda(
+    f,
+    _spec((m, k), f8),
+    _spec((k // kb, m), jnp.float32),
+    _spec((n, k), f8),
+    _spec((k // kb, n), jnp.float32),
+    kernels=1,
+  )
+
+
 @pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("m,k,n", [(65536, 2048, 512), (16384, 4096, 4096)])
 def test_fp8_quantizing_matmul(m, k, n, uniform):

@@ -657,6 +657,76 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
   )
 
 
+@pytest.mark.parametrize("splits,num_sms", [(2, 2), (4, 3), (2, 132)])
+def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
+  """Split-K: the contraction cut into `splits` runs, each an f32 output
+  tile of its own, summed; programs walking several (run, tile) items
+  (num_sms 2 and 3) and one each (132)."""
+  m, n, k = 256, 128, 1024
+  a = _data(jax.random.key(55), (m, k))
+  b = _data(jax.random.key(56), (n, k))
+  av, as_ = ref.quantize_reference(a, block=(1, 128))
+  bv, bs_ = ref.quantize_reference(b, block=(1, 128))
+  out = matmul_mgpu.scaled_matmul_mgpu(
+    av,
+    as_.T,
+    bv,
+    bs_.T,
+    kb=128,
+    out_dtype=jnp.bfloat16,
+    interpret=True,
+    num_sms=num_sms,
+    splits=splits,
+  )
+  assert out.dtype == jnp.bfloat16
+  want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, (1, 128))
+  _close_bf16(out, want)
+  with pytest.raises(ValueError, match="splits=3"):
+    matmul_mgpu.scaled_matmul_mgpu(
+      av, as_.T, bv, bs_.T, kb=128, interpret=True, splits=3
+    )
+
+
+def test_k_splits_fill_the_chip_with_long_runs():
+  bs = matmul_mgpu.default_block_sizes(128)  # 128 x 256 clusters of 2
+  # Weight gradients over 65,536 tokens: 64 CTAs -> two runs.
+  assert matmul_mgpu.k_splits(2048, 512, 65536, bs) == 2
+  assert matmul_mgpu.k_splits(512, 2048, 65536, bs) == 2
+  # 16 CTAs over 65,536: four runs would leave 128 steps each, eight 64.
+  assert matmul_mgpu.k_splits(512, 512, 65536, bs) == 8
+  # Enough tiles, or too short a contraction: none.
+  assert matmul_mgpu.k_splits(4096, 4096, 16384, bs) == 1
+  assert matmul_mgpu.k_splits(2048, 512, 4096, bs) == 1
+
+
+def test_op_splits_k_for_weight_gradients(monkeypatch):
+  """The FP8 weight gradient of a product with few output tiles runs
+  split-K (here with runs of 2 k-steps, so small shapes qualify) and
+  equals the reference."""
+  monkeypatch.setattr(matmul_mgpu, "_SPLIT_MIN_K_STEPS", 2)
+  seen = []
+  kernel = matmul_mgpu.scaled_matmul_mgpu
+
+  def spy(*args, splits=1, **kwargs):
+    seen.append(splits)
+    return kernel(*args, splits=splits, **kwargs)
+
+  monkeypatch.setattr(matmul_mgpu, "scaled_matmul_mgpu", spy)
+  fp8_op._matmul_kernel_fn.cache_clear()
+  jax.clear_caches()
+  x = _data(jax.random.key(57), (512, 128), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(58), (128, 256), jnp.bfloat16, spread=1.0)
+  g = _data(jax.random.key(59), (512, 256), jnp.bfloat16, spread=1.0)
+  f = functools.partial(
+    fp8.fp8_dot_general, dimension_numbers=DN, grad_rhs_fp8=True
+  )
+  got = _grads(functools.partial(f, implementation="mosaic"), x, w, g)
+  assert max(seen) > 1  # dW [256, 128] over 512 rows: 2 CTA tiles
+  want = _grads(functools.partial(f, implementation="xla"), x, w, g)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    _close_bf16(a, b)
+
+
 _QB = matmul_mgpu.QuantizingBlockSizes
 
 
@@ -905,6 +975,27 @@ def test_gpu_quantize_kernel(block, hb, sr, kw):
   assert float(jnp.mean(d == 0)) > 0.999
   if hb is None:
     assert float(jnp.max(d)) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(512, 2048, 65536), (256, 512, 16384)])
+def test_gpu_split_k_matmul(m, n, k):
+  """Compiled split-K (the weight-gradient shapes) against one run over
+  the whole contraction: the same products, summed in another order."""
+  a = _data(jax.random.key(60), (m, k), jnp.bfloat16)
+  b = _data(jax.random.key(61), (n, k), jnp.bfloat16)
+  av, as_ = ref.quantize_reference(a, block=(1, 128))
+  bv, bs_ = ref.quantize_reference(b, block=(1, 128))
+  bs = matmul_mgpu.default_block_sizes(128, jnp.float32)
+  outs = [
+    matmul_mgpu.scaled_matmul_mgpu(
+      av, as_.T, bv, bs_.T, kb=128, block_sizes=bs, splits=splits
+    )
+    for splits in (1, matmul_mgpu.k_splits(m, n, k, bs))
+  ]
+  _close_bf16(outs[1], outs[0])
+  want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, (1, 128))
+  _close_bf16(outs[1], want)
 
 
 @pytest.mark.gpu
