@@ -149,12 +149,16 @@ def test_fp8_transpose_quantize(r, c, scaled):
 def test_fp8_matmul(kb, op_default, m, k, n):
   """Plain tiles and the op's default (at kb=128 a 2-CTA cluster); at the
   short k the per-tile pipelines are chained."""
-  f8 = jnp.float8_e4m3fn
   bs = matmul_mgpu.BlockSizes()
   if op_default:
     bs = matmul_mgpu.default_block_sizes(kb)
+  _fp8_matmul_lowers(m, k, n, kb, bs)
+
+
+def _fp8_matmul_lowers(m, k, n, kb, bs, splits=1):
+  f8 = jnp.float8_e4m3fn
   f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
-    a, sa, b, sb, kb=kb, block_sizes=bs, interpret=False
+    a, sa, b, sb, kb=kb, block_sizes=bs, splits=splits, interpret=False
   )
   _lowers_for_cuda(
     f,
@@ -170,21 +174,11 @@ def test_fp8_matmul(kb, op_default, m, k, n):
 def test_fp8_matmul_split_k(m, n):
   """The FP8 weight gradients of the narrow benchmark shapes (65,536
   tokens): split-K with f32 partial tiles, as the op runs them."""
-  f8, k, kb = jnp.float8_e4m3fn, 65536, 128
+  k, kb = 65536, 128
   bs = matmul_mgpu.default_block_sizes(kb, jnp.float32)
   splits = matmul_mgpu.k_splits(m, n, k, bs)
   assert splits == 2
-  f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
-    a, sa, b, sb, kb=kb, block_sizes=bs, splits=splits, interpret=False
-  )
-  _lowers_for_cuda(
-    f,
-    _spec((m, k), f8),
-    _spec((k // kb, m), jnp.float32),
-    _spec((n, k), f8),
-    _spec((k // kb, n), jnp.float32),
-    kernels=1,
-  )
+  _fp8_matmul_lowers(m, k, n, kb, bs, splits)
 
 
 @pytest.mark.parametrize("uniform", [True, False])

@@ -531,6 +531,28 @@ def test_quantize_kernel_interpret_equals_reference(
     assert np.all(d <= step) and np.mean(d == 0) > 0.999
 
 
+def _spy(monkeypatch, module, name, note):
+  """Wrap kernel `module.name`: each call appends `note(*args, **kwargs)`
+  to the returned list. Traced kernels are forgotten, so the next traces
+  call the wrapper."""
+  calls = []
+  kernel = getattr(module, name)
+
+  def spy(*args, **kwargs):
+    calls.append(note(*args, **kwargs))
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, spy)
+  _forget_traces()
+  return calls
+
+
+def _forget_traces():
+  fp8_op._matmul_kernel_fn.cache_clear()
+  fp8_op._transpose_quantize_fn.cache_clear()
+  jax.clear_caches()
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("r,c,num_sms", [(384, 256, 1), (256, 128, 2)])
 def test_transpose_quantize_interpret_equals_quantize_of_transpose(
@@ -574,16 +596,12 @@ def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   and the lhs^T from the forward's values and scales with the transposing
   kernel, not by writing transposes first; results equal the reference,
   also off the 128-row tile and under vmap."""
-  calls = []
-  kernel = quantize_mgpu.transpose_quantize_mgpu
-
-  def spy(x, *args, **kwargs):
-    calls.append((x.shape, x.dtype.name))
-    return kernel(x, *args, **kwargs)
-
-  monkeypatch.setattr(quantize_mgpu, "transpose_quantize_mgpu", spy)
-  fp8_op._transpose_quantize_fn.cache_clear()
-  jax.clear_caches()
+  calls = _spy(
+    monkeypatch,
+    quantize_mgpu,
+    "transpose_quantize_mgpu",
+    lambda x, *_, **__: (x.shape, x.dtype.name),
+  )
   x = _data(jax.random.key(51), (70, 256), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(52), (256, 300), jnp.bfloat16, spread=1.0)
   g = _data(jax.random.key(53), (70, 300), jnp.bfloat16, spread=1.0)
@@ -704,16 +722,12 @@ def test_op_splits_k_for_weight_gradients(monkeypatch):
   split-K (here with runs of 2 k-steps, so small shapes qualify) and
   equals the reference."""
   monkeypatch.setattr(matmul_mgpu, "_SPLIT_MIN_K_STEPS", 2)
-  seen = []
-  kernel = matmul_mgpu.scaled_matmul_mgpu
-
-  def spy(*args, splits=1, **kwargs):
-    seen.append(splits)
-    return kernel(*args, splits=splits, **kwargs)
-
-  monkeypatch.setattr(matmul_mgpu, "scaled_matmul_mgpu", spy)
-  fp8_op._matmul_kernel_fn.cache_clear()
-  jax.clear_caches()
+  seen = _spy(
+    monkeypatch,
+    matmul_mgpu,
+    "scaled_matmul_mgpu",
+    lambda *_, splits=1, **__: splits,
+  )
   x = _data(jax.random.key(57), (512, 128), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(58), (128, 256), jnp.bfloat16, spread=1.0)
   g = _data(jax.random.key(59), (512, 256), jnp.bfloat16, spread=1.0)
@@ -819,19 +833,14 @@ def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
   and a 16-bit output is quantized in the kernel unless the FP8 weight
   gradient reads its quantized values: x in the forward (differentiated
   or not), g in dx = g w^T. Results equal the reference."""
-  calls = []
-  kernel = matmul_mgpu.quantizing_matmul_mgpu
-
-  def spy(*args, **kwargs):
-    calls.append(args[0].shape)
-    return kernel(*args, **kwargs)
-
-  monkeypatch.setattr(matmul_mgpu, "quantizing_matmul_mgpu", spy)
-
-  def fresh():
-    """Forget traces, so each phase traces (and meets the spy) anew."""
-    fp8_op._matmul_kernel_fn.cache_clear()
-    jax.clear_caches()
+  calls = _spy(
+    monkeypatch,
+    matmul_mgpu,
+    "quantizing_matmul_mgpu",
+    lambda a, *_, **__: a.shape,
+  )
+  # Each phase traces (and meets the spy) anew.
+  fresh = _forget_traces
 
   x = _data(jax.random.key(45), (70, 256), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(46), (256, 300), jnp.bfloat16, spread=1.0)
