@@ -79,6 +79,16 @@ dK and dV in registers (the GQA reduction stays in the kernel, O7).
 
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
+
+Where the forward's time goes (H200, 2026-12-01, .notes/dev/s9_blk.py: the
+benchmark's batches, four input sets per timed call, per set): with RoPE
+124.6 / 89.3 us at all-2,048 / log-normal lengths (65.8% / 49.3% of copy
+bandwidth), without 98.1 / 59.1 us (83.7% / 74.6%), and an XLA op moving
+the same bytes (`q + repeat(k + v)`) 89.7 / 50.3 us (91.4% / 87.6%). The
+fused RoPE costs 27-30 us a call, far more than its arithmetic (~5 us of
+FMAs at the chip's rate): the cos / sin kept in registers for all of a
+tile's heads (64 f32 registers a thread beside Q, S and O) are the first
+suspect.
 """
 
 import dataclasses
