@@ -2,7 +2,7 @@
 into blocks, and vs sliding-window attention.
 
     PYTHONPATH=. python3 benchmarks/block_attention.py [--out DIR]
-        [--mixes all2048,lognormal] [--smoke]
+        [--mixes all2048,lognormal] [--parts] [--smoke]
 
 B=32 sequences, D=128, 8 query heads over 2 KV heads (the model's GQA),
 bf16, blocks of 64 with RoPE (theta 10,000) applied inside the op; lengths
@@ -25,6 +25,10 @@ K, V, O once). Goals (issue 4): forward and forward+backward >= 1.5x the
 cuDNN-blocks baseline, forward >= 80% of copy bandwidth, and >= 1.44x the
 sliding window. A correctness check against the f32 reference (forward
 and the three gradients) and against cuDNN (forward) runs first.
+
+`--parts`, where the forward's time goes: ours with RoPE left out, and an
+XLA op moving the same bytes (`q + repeat(k + v)`: reads Q, K, V, writes
+a Q-sized output), each as a fraction of the copy bandwidth.
 """
 
 import argparse
@@ -55,6 +59,7 @@ TAIL = 64
 CUDNN = "cudnn"
 INTERPRET = None  # GPU interpret mode under --smoke
 SMOKE = False
+PARTS = False  # --parts: where the forward's time goes
 GOALS = {"fwd": 1.5, "fwdbwd": 1.5}
 SLIDING_GOAL = 1.44
 COPY_GOAL = 0.8
@@ -255,19 +260,31 @@ def run_case(mix, rng, records, bw):
           ratio=sw / sec,
         )
       )
-  if ("mosaic", "fwd") in times:
-    frac = bytes_fwd / times["mosaic", "fwd"] / 1e12 / bw
-    print(f"{mix:10s} forward at {frac:.1%} of copy bandwidth", flush=True)
+  fwd_times = {"mosaic": times.get(("mosaic", "fwd"))}
+  if PARTS:
+    no_rope = lambda q, k, v, do: block_attention_mosaic(
+      q, k, v, off_j, block=BLOCK, max_len=LMAX, interpret=INTERPRET
+    )
+    same_bytes = lambda q, k, v, do: q + jnp.repeat(k + v, N // KH, axis=1)
+    fwd_times["mosaic, RoPE left out"] = common.time_sets(no_rope, sets)
+    fwd_times["xla: q + repeat(k + v), the forward's bytes"] = common.time_sets(
+      same_bytes, sets
+    )
+  for impl, sec in fwd_times.items():
+    if sec is None:
+      continue
+    frac = bytes_fwd / sec / 1e12 / bw
+    print(f"{mix:10s} {impl}: forward at {frac:.1%} of copy", flush=True)
     records.append(
       common.record(
         "block_attention",
         mix,
-        "mosaic",
+        impl,
         "fwd_copy_bandwidth_fraction",
         frac,
         baseline="copy_tb_per_s",
         baseline_value=bw,
-        goal=COPY_GOAL,
+        goal=COPY_GOAL if impl == "mosaic" else None,
         ratio=frac,
       )
     )
@@ -309,9 +326,13 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=None)
   parser.add_argument("--mixes", default="all2048,lognormal")
+  parser.add_argument(
+    "--parts", action="store_true", help="RoPE left out; same-bytes copy"
+  )
   parser.add_argument("--smoke", action="store_true", help="CPU dry run")
   args = parser.parse_args()
-  global B, LMAX, R, CUDNN, INTERPRET, SMOKE
+  global B, LMAX, R, CUDNN, INTERPRET, SMOKE, PARTS
+  PARTS = args.parts
   if args.smoke:  # tiny shapes, XLA instead of cuDNN, GPU interpret mode
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
