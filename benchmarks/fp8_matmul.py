@@ -79,11 +79,22 @@ def _pullback(fn, *primals):
 _apply = jax.jit(lambda pull, dy: pull(dy))
 
 
-def _time_vs(fn, arg_sets, base) -> tuple[float, float]:
-  """Seconds per call of `fn` and of the baseline `base = (fn, arg_sets)`,
-  timed in alternation (`common.time_interleaved`)."""
+def _time_vs(b, case, label, kind, fn, arg_sets, base):
+  """Seconds per call of `fn` and of cuBLAS bf16 `base = (fn, arg_sets)`,
+  timed in alternation (`common.time_interleaved`); `fn`'s `{kind} ms` is
+  recorded against that paired cuBLAS time."""
   t = common.time_interleaved({"ours": (fn, arg_sets), "cuBLAS": base})
-  return t["ours"], t["cuBLAS"]
+  t, tb = t["ours"], t["cuBLAS"]
+  b.add(
+    case,
+    label,
+    f"{kind} ms",
+    t * 1e3,
+    baseline="xla bf16 (cuBLAS)",
+    baseline_value=tb * 1e3,
+    lower_is_better=True,
+  )
+  return t, tb
 
 
 def _time_mem(fn, arg_sets) -> float:
@@ -222,9 +233,7 @@ def _bwd_bound(b: Bench, case, sets, bf16_bwd_pair, dw_fp8: bool):
     x8t = x.T.astype(F8) if dw_fp8 else None
     dy8t = dy.T.astype(F8) if dw_fp8 else None
     args.append((dy.astype(F8), w.astype(F8), x, dy, x8t, dy8t))
-  t, tb = _time_vs(jax.jit(bwd), args, bf16_bwd_pair)
-  base = dict(baseline="xla bf16 (cuBLAS)", baseline_value=tb * 1e3)
-  b.add(case, label, "bwd ms", t * 1e3, lower_is_better=True, **base)
+  t, tb = _time_vs(b, case, label, "bwd", jax.jit(bwd), args, bf16_bwd_pair)
   b.add(case, label, "bwd speedup", tb / t, baseline="xla bf16 (cuBLAS)")
 
 
@@ -246,18 +255,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
   w8s = [(w.astype(F8), jnp.float32(1)) for _, w, _ in sets]
 
   def fwd_ms(label, fn, args):
-    """`fn` timed against cuBLAS bf16 (`_time_vs`) and recorded."""
-    t, tb = _time_vs(fn, args, bf16_pair)
-    b.add(
-      case,
-      label,
-      "fwd ms",
-      t * 1e3,
-      baseline="xla bf16 (cuBLAS)",
-      baseline_value=tb * 1e3,
-      lower_is_better=True,
-    )
-    return t, tb
+    return _time_vs(b, case, label, "fwd", fn, args, bf16_pair)
 
   def base(label, fn, args):
     pair = b.run(label, lambda: fwd_ms(label, jax.jit(fn), args))
@@ -417,16 +415,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
       )
       b.add(case, label, "dx err vs f32", _rel(dx, rdx))
       b.add(case, label, "dw err vs f32", _rel(dwq.source, rdw))
-      t, tb = _time_vs(_apply, psets, bf16_bwd_pair)
-      b.add(
-        case,
-        label,
-        "bwd ms",
-        t * 1e3,
-        baseline="xla bf16 (cuBLAS)",
-        baseline_value=tb * 1e3,
-        lower_is_better=True,
-      )
+      t, tb = _time_vs(b, case, label, "bwd", _apply, psets, bf16_bwd_pair)
       b.add(
         case,
         label,

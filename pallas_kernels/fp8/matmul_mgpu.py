@@ -469,8 +469,8 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
   """Shared memory of `quantizing_matmul_mgpu`: rings, epilogue, barriers."""
   nq, kb = bs.quantizers, 128
   cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
-  a_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  f8_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  a_tiles = (mosaic.TILING, mosaic.SWIZZLE)
+  f8_tiles = quantize_mgpu.F8_TILES
   f8 = jnp.float8_e4m3fn
   return [
     plgpu.SMEM((nq * bs.stages_a, cta_m, kb), jnp.bfloat16, transforms=a_tiles),
@@ -487,13 +487,6 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
   ]
 
 
-# Shared memory a kernel may count on: the H200's 227 KiB per block, less
-# room for barriers and buffer alignment, which buffer sizes leave out (the
-# default quantizing kernel with an f32 output has 232,448 B of buffers
-# and lowered for CUDA at 234,624 B, over the 232,448 B limit).
-_SMEM_LIMIT = 223 * 1024
-
-
 def quantizing_fits(
   out_dtype, block_sizes: QuantizingBlockSizes = QuantizingBlockSizes()
 ) -> bool:
@@ -507,7 +500,7 @@ def quantizing_fits(
   nbytes = sum(
     math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in buffers
   )
-  return nbytes <= _SMEM_LIMIT
+  return nbytes <= mosaic.SMEM_LIMIT
 
 
 def _quantize_rows(a_smem):

@@ -95,12 +95,15 @@ def _bf16_source(x, scales, x_block):
   return ref.dequantize_reference(x, scales, block=x_block, dtype=jnp.bfloat16)
 
 
-def _quantize_t_xla(x, scales, x_block, block, seed_hash):
-  """`x^T` quantized in `block`s: `x` raw, or values with `scales` in
-  `x_block`s (dequantized first)."""
-  return _quantize_2d_xla(
+def _quantize_t_of_source(quantize_2d, x, scales, x_block, block, seed_hash):
+  """`x^T` quantized in `block`s by `quantize_2d`: `x` raw, or values with
+  `scales` in `x_block`s (dequantized first)."""
+  return quantize_2d(
     _bf16_source(x, scales, x_block).T, block, None, 0, seed_hash
   )
+
+
+_quantize_t_xla = functools.partial(_quantize_t_of_source, _quantize_2d_xla)
 
 
 def _matmul_xla(a, b, out_dtype):
@@ -237,8 +240,8 @@ def _quantize_t_mosaic(x, scales, x_block, block, seed_hash):
   ):
     f = _transpose_quantize_fn(r, c)
     return f(x) if raw else f(x, scales)
-  return _quantize_2d_mosaic(
-    _bf16_source(x, scales, x_block).T, block, None, 0, seed_hash
+  return _quantize_t_of_source(
+    _quantize_2d_mosaic, x, scales, x_block, block, seed_hash
   )
 
 

@@ -633,7 +633,8 @@ def _steps_per_program(row_tiles: int, col_tiles: int, num_sms: int) -> int:
 # Transposed quantization: `x^T` in 1 x 128 blocks, from `x` as stored.
 # ---------------------------------------------------------------------------
 
-_F8_TILES = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+# e4m3 tiles as an 8-bit wgmma reads them (also the FP8 matmul's).
+F8_TILES = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
 
 def _transpose_kernel(
@@ -669,12 +670,9 @@ def _transpose_kernel(
     plgpu.wait_smem_to_gmem(2, wait_read_only=True)
     for half in range(2):
       rows = pl.ds(half * TILE_R, TILE_R)
-
-      def mm(acc_ref, rows=rows):
-        plgpu.wgmma(acc_ref, eye_smem.at[rows], x_smem.transpose((1, 0)))
-        return acc_ref[...]
-
-      y = pl.run_scoped(mm, plgpu.ACC((TILE_R, TILE_C), jnp.float32))
+      y = mosaic.matmul(
+        eye_smem.at[rows], x_smem.transpose((1, 0)), (TILE_R, TILE_C)
+      )
       if scaled:
         cs = plgpu.load(sx[0].at[0], layout=_COL)  # x's row scales
         y = y * lax.broadcast_in_dim(cs, y.shape, [1])
@@ -690,13 +688,12 @@ def _transpose_kernel(
       s_smem.at[slot], se_gmem.at[pl.ds(tile, 1), pl.ds(ct * TILE_C, TILE_C)]
     )
 
-  fp8 = x_gmem.dtype == fmt.E4M3
   run = pl.ds(rt * steps * TILE_C, steps * TILE_C)
   in_specs = [
     plgpu.BlockSpec(
       (TILE_C, TILE_C),
       lambda s: (s, 0),
-      transforms=_F8_TILES if fp8 else _BF16_TILES,
+      transforms=F8_TILES if scaled else _BF16_TILES,
     )
   ]
   args = [x_gmem.at[run, pl.ds(ct * TILE_C, TILE_C)]]
@@ -738,7 +735,7 @@ def transpose_quantize_mgpu(
   )
   eye = jnp.eye(TILE_C, dtype=dtype)
   sx = sx_Cr.astype(jnp.float32) if scaled else jnp.zeros((1, 1), jnp.float32)
-  tiles = _F8_TILES if scaled else _BF16_TILES
+  tiles = F8_TILES if scaled else _BF16_TILES
   return plgpu.kernel(
     kernel,
     out_type=(

@@ -111,11 +111,6 @@ H200_NUM_SMS = 132
 QUANT_BLOCK = 128
 # Shared memory we let one block use (the H200 allows 227 KiB per block).
 _SMEM_BUDGET = 200 * 1024
-# What a block may take at most: 227 KiB, less room for the barriers and
-# the alignment of each buffer, which `smem_bytes` does not count (a
-# fused-FP8 forward it put at 230,400 B lowered for CUDA at 232,456 B, 8 B
-# over the 232,448 B limit).
-_SMEM_LIMIT = 223 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,10 +291,11 @@ def _wide_rows(bs: BlockSizes, t: int, d: int, itemsize: int) -> BlockSizes:
   unchanged: the ring). Measured on the H200 (2026-12-01, one process, two
   passes, T=262,144 bf16 with residual and gamma, against the ring's
   defaults): d=2048 1.089-1.090 vs 1.115-1.117 ms (94.3% vs 92.1% of
-  copy), d=1024 0.563-0.573 vs 0.608-0.610 ms. Not at d=512 (within 1%
-  either way) or d=4096 (1.116-1.121 vs 1.114-1.116 ms, T=131,072). One
-  tile ahead: two or three raised d=2048 to 1.116-1.119 ms; one block per
-  SM 1.396 ms, three 1.126 ms; 4-row tiles 1.183 ms."""
+  copy), d=1024 0.569-0.573 vs 0.608-0.610 ms. Not at d=512 (within 1%
+  either way) or d=4096 (1.116-1.121 vs 1.114-1.116 ms, T=131,072). At
+  d=2048, loading two or three tiles ahead instead of one took 1.116-1.119
+  ms; one block per SM 1.299 ms, three 1.109-1.115 ms; 4-row tiles
+  1.111-1.114 ms."""
   row_bytes = d * itemsize
   rows = _WIDE_ROWS_TILE_BYTES // row_bytes
   if (
@@ -352,9 +348,6 @@ def make_config(
     bs,
     direct_loads=bool(bs.direct_loads),
     num_blocks=bs.num_blocks or H200_NUM_SMS,
-  )
-  bs = dataclasses.replace(
-    bs,
     out_slots=bs.out_slots or (4 if plain_fwd else 2),
     max_stages=bs.max_stages or (2 if plain_fwd else 4),
   )
@@ -427,14 +420,14 @@ def make_config(
   def fit(b):
     return stages_of.func(b, rows, **stages_of.keywords)
 
-  while bs.out_slots > 1 and fit(bs)[1] > _SMEM_LIMIT:
+  while bs.out_slots > 1 and fit(bs)[1] > mosaic.SMEM_LIMIT:
     bs = dataclasses.replace(bs, out_slots=bs.out_slots - 1)
   stages, smem = fit(bs)
-  if smem > _SMEM_LIMIT:
+  if smem > mosaic.SMEM_LIMIT:
     raise ValueError(
       f"rms_norm: a tile of {rows} rows of {d} {jnp.dtype(dtype).name} "
       f"({'backward' if bwd else 'forward'}, residual={has_residual}) "
-      f"needs {smem} B of shared memory, over {_SMEM_LIMIT}; `fits` says "
+      f"needs {smem} B of shared memory, over {mosaic.SMEM_LIMIT}; `fits` says "
       "which shapes the kernels take"
     )
   return _Config(

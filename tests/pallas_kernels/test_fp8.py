@@ -554,14 +554,17 @@ def _forget_traces():
 
 
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("r,c,num_sms", [(384, 256, 1), (256, 128, 2)])
+@pytest.mark.parametrize(
+  "r,c,num_sms,steps", [(384, 256, 1, 1), (1536, 128, 1, 3)]
+)
 def test_transpose_quantize_interpret_equals_quantize_of_transpose(
-  r, c, num_sms, scaled
+  r, c, num_sms, steps, scaled
 ):
   """`x^T` quantized from `x` as stored (bf16, or e4m3 values with their
   scales, dequantized in registers) equals `quantize_mgpu` of the
   transposed (dequantized) matrix bit for bit: the identity wgmma's sums
-  are exact. Programs of several tiles (num_sms=1) and of one."""
+  are exact. Programs of one tile, and of three (the output slots wrap)."""
+  assert quantize_mgpu._steps_per_program(r // 128, c // 128, num_sms) == steps
   x = _data(jax.random.key(50), (r, c), jnp.bfloat16)
   # A subnormal e4m3 result and zeros (the block maximum sets the scale).
   x = x.at[:4, 0].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
@@ -1009,10 +1012,14 @@ def test_gpu_split_k_matmul(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("r,c", [(6144, 2048), (65536, 512), (640, 384)])
-def test_gpu_transpose_quantize_kernel(r, c, scaled):
+@pytest.mark.parametrize(
+  "r,c,num_sms",
+  [(6144, 2048, 132), (65536, 512, 132), (640, 384, 132), (6144, 2048, 8)],
+)
+def test_gpu_transpose_quantize_kernel(r, c, num_sms, scaled):
   """Compiled: `x^T` quantized (or requantized) in one pass equals the
-  quantize kernel on the transposed (dequantized) matrix, bit for bit."""
+  quantize kernel on the transposed (dequantized) matrix, bit for bit;
+  with `num_sms=8`, programs of 24 tiles."""
   x = _data(jax.random.key(54), (r, c), jnp.bfloat16)
   src, sx = x, None
   if scaled:
@@ -1020,7 +1027,7 @@ def test_gpu_transpose_quantize_kernel(r, c, scaled):
     x = (src.astype(jnp.float32) * jnp.repeat(sx, 128, axis=0).T).astype(
       jnp.bfloat16
     )
-  v, se = quantize_mgpu.transpose_quantize_mgpu(src, sx)
+  v, se = quantize_mgpu.transpose_quantize_mgpu(src, sx, num_sms=num_sms)
   rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128))
   np.testing.assert_array_equal(np.asarray(se), np.asarray(rse))
   np.testing.assert_array_equal(
