@@ -30,12 +30,10 @@ consumer warpgroups read them into registers (free of bank conflicts, which
 plain row-major memory would have 8-way). K and V go on into the tiled
 layout; Q stays in registers as wgmma's A operand, so its ring slot is
 free again before any math. That pass is where RoPE is applied to Q and K
-(rotation of the two halves by `cos`/`sin` of the tile's positions, see
-`rope_table`: the forward forms them once per tile by angle addition from
-a 64-row table kept in shared memory and a 512-byte row of bases, and
-keeps them in registers for all the tile's heads) and where the
-zero-fill happens, so it costs no extra trip: only V (and dO) move without
-other work. Outputs leave the same way back: a whole tile through a
+(rotation of the two halves by `cos`/`sin` of the rows' positions inside
+the tile, see "RoPE at tile positions") and where the zero-fill
+happens, so it costs no extra trip: only V (and dO) move without other
+work. Outputs leave the same way back: a whole tile through a
 swizzled buffer, a sequence's last partial tile through a plain one (the
 ladder of TMA stores starts rows anywhere; `_store_tile`). The two are
 aliased views of one buffer (`plgpu.RefUnion`). (A ring of two such
@@ -43,6 +41,18 @@ buffers per forward warpgroup, so that a head's output is written while
 the previous head's store drains, measured the same on the H200: 0.119 /
 0.121 ms at all-2,048, 0.079 / 0.078 ms log-normal; stores do not wait
 on their staging buffer.)
+
+RoPE at tile positions. RoPE makes a score depend on the two positions
+only through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and
+both rows of every score sit in one 64-row tile, so rotating by the
+position inside the tile (`r < 64`) instead of the one in the sequence
+(`64 f + r`) gives the same scores, outputs and gradients. So one 64-row
+table (`rope_table`) serves every tile: it is loaded into shared memory
+once per CTA, and the forward keeps its f32 cos and sin in registers for
+the whole kernel (the backward, whose registers hold dK and dV, reads it
+from shared memory where it rotates). (Absolute positions cost the
+forward a per-tile angle addition and table load: 124.6 / 89.3 us per
+set, see below.)
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -80,15 +90,15 @@ dK and dV in registers (the GQA reduction stays in the kernel, O7).
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
 
-Where the forward's time goes (H200, 2026-12-01, .notes/dev/s9_blk.py: the
-benchmark's batches, four input sets per timed call, per set): with RoPE
-124.6 / 89.3 us at all-2,048 / log-normal lengths (65.8% / 49.3% of copy
-bandwidth), without 98.1 / 59.1 us (83.7% / 74.6%), and an XLA op moving
-the same bytes (`q + repeat(k + v)`) 89.7 / 50.3 us (91.4% / 87.6%). The
-fused RoPE costs 27-30 us a call, far more than its arithmetic (~5 us of
-FMAs at the chip's rate): the cos / sin kept in registers for all of a
-tile's heads (64 f32 registers a thread beside Q, S and O) are the first
-suspect.
+Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py:
+the benchmark's batches, four input sets per timed call, per set, timed in
+alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
+(72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
+70.7%), and an XLA op moving the same bytes (`q + repeat(k + v)`) 96.3 /
+52.2 us (84.1% / 83.1%). The RoPE (at absolute positions, with the table
+held in registers while P V ran: 124.6 / 89.3 us in session 9's run)
+now costs 11 / 21 us: the f32 rotation is ~3.5 instructions an element
+(unpack, two multiplies, pack) on the consumers' critical path.
 """
 
 import dataclasses
@@ -144,9 +154,9 @@ class _Static:
 def work_items(offsets, t: int):
   """64-row tiles of every sequence (and of the buffer tail).
 
-  Returns (`int32[i, 4]`, number of real items). Columns: 0 first packed
-  row, 1 rows of the tile inside the sequence, 2 position of its first row
-  (0 for the tail), 3 whether it is the buffer tail.
+  Returns (`int32[i, 3]`, number of real items). Columns: 0 first packed
+  row, 1 rows of the tile inside the sequence, 2 whether it is the buffer
+  tail.
   """
   offsets = jnp.asarray(offsets, jnp.int32)
   sched = schedule.jagged_tile_schedule(offsets, t, TILE)
@@ -156,43 +166,32 @@ def work_items(offsets, t: int):
   pos0 = tile * TILE
   valid = jnp.where(ok, jnp.clip(length - pos0, 0, TILE), 0)
   tail = seq == offsets.shape[0] - 1
-  table = jnp.stack(
-    [off_e[seq] + pos0, valid, jnp.where(tail, 0, pos0), tail], axis=1
-  )
+  table = jnp.stack([off_e[seq] + pos0, valid, tail], axis=1)
   return table.astype(jnp.int32), sched.num_items
 
 
-def rope_table(max_len: int, h: int, theta: float):
-  """RoPE constants: (`f16[4, rows, h/2]`, `f32[rows / 64, 2, h/2]`).
+def rope_table(h: int, theta: float):
+  """RoPE constants `f16[4, 64, h/2]`: cos and sin of positions `0..64)`
+  inside a tile (see "RoPE at tile positions"), each as two f16 terms
+  (`cos = [0] + [1]`, `sin = [2] + [3]`).
 
-  The table: cos and sin of positions `0..rows)` (rows a multiple of 64),
-  each as two f16 terms (`cos = [0] + [1]`, `sin = [2] + [3]`). Why two
-  f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte rows, one
-  swizzle atom, so it loads into registers without bank conflicts
-  (`mosaic.smem_swizzled`); f32 planes (256-byte rows) cannot. The pair
-  keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). The backward reads
-  one 64-row window per tile.
-
-  The bases: cos and sin of every tile's first position `64 i`. The
-  forward keeps only the table's first 64 rows (angles `r f`, `r < 64`)
-  in shared memory for the whole kernel and forms a tile's angles
-  `(64 i + r) f` by angle addition with the tile's bases (512 bytes a
-  tile instead of a 32 KiB window). Built with numpy at trace time:
-  constants, no trigonometry per call.
+  Why two f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte
+  rows, one swizzle atom, so it loads into registers without bank
+  conflicts (`mosaic.smem_swizzled`); f32 planes (256-byte rows) cannot.
+  The pair keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). Built
+  with numpy at trace time: constants, no trigonometry per call.
   """
-  rows = -(-max(max_len, 1) // TILE) * TILE
   freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
-  ang = np.arange(rows, dtype=np.float64)[:, None] * freq
+  ang = np.arange(TILE, dtype=np.float64)[:, None] * freq
   planes = []
   for f in (np.cos, np.sin):
     exact = f(ang)
     hi = exact.astype(np.float16)
     planes += [hi, (exact - hi.astype(np.float64)).astype(np.float16)]
-  bases = np.stack([np.cos(ang[::TILE]), np.sin(ang[::TILE])], axis=1)
-  return jnp.asarray(np.stack(planes)), jnp.asarray(bases, jnp.float32)
+  return jnp.asarray(np.stack(planes))
 
 
-_CS_BYTES = 4 * TILE * TILE * 2 + 512  # RoPE rows: 4 f16 [64, h/2], bases
+_CS_BYTES = 4 * TILE * TILE * 2  # the RoPE table: 4 f16 [64, h/2]
 
 
 def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
@@ -237,20 +236,6 @@ def _cos_sin(cs):
   """f32 cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`)."""
   f32 = [plgpu.load(cs.at[i], layout=_L).astype(jnp.float32) for i in range(4)]
   return f32[0] + f32[1], f32[2] + f32[3]
-
-
-def _shifted_cos_sin(cs, base):
-  """f32 cos and sin `[64, 64]` of positions `pos0 + r` (`r < 64`) by angle
-  addition: `cs` holds the table's first 64 rows (angles `r f`), `base`
-  (`f32[2, h/2]`) cos and sin of `pos0 f`, broadcast down the rows."""
-  cos_r, sin_r = _cos_sin(cs)
-  cos_b, sin_b = (
-    lax.broadcast_in_dim(
-      plgpu.load(base.at[i], layout=_L.reduce(0)), cos_r.shape, [1]
-    )
-    for i in range(2)
-  )
-  return cos_b * cos_r - sin_b * sin_r, sin_b * cos_r + cos_b * sin_r
 
 
 def _load_parts(raw, rot=None):
@@ -359,17 +344,6 @@ def _load_kv(j, rows, kv_head, refs, buffers):
   _load_tile(v_ref, rows, kv_head, v_raw, kv_bar)
 
 
-def _load_cs(j, src, dst, bar, free):
-  """Tile `j`'s RoPE rows `src` (a window of the table or of its bases)
-  once the buffer `dst` is free."""
-
-  @pl.when(j > 0)
-  def _():
-    plgpu.barrier_wait(free)
-
-  plgpu.copy_gmem_to_smem(src, dst, bar)
-
-
 def _store_rows(src, dst_ref, row, head, count):
   """Rows `[0, count)` of plain `src` (`[parts * 64, 64]`) to packed rows
   `row...` of `head`."""
@@ -433,19 +407,16 @@ def _scores(qs, k_t, static):
   return pl.run_scoped(scoped, plgpu.ACC((TILE, TILE), jnp.float32))
 
 
-def _pv(p, v_t, static, then=None):
-  """`P V` as f32 column parts, and the value of `then()`, which runs
-  while the wgmmas are in flight (None if not given)."""
+def _pv(p, v_t, static):
+  """`P V` as f32 column parts."""
   vs = _all_parts(v_t)
   if static.interpret is not None:  # see `mosaic.accumulate`
-    os = [jnp.dot(p, v[...], preferred_element_type=jnp.float32) for v in vs]
-    return os, then() if then else None
+    return [jnp.dot(p, v[...], preferred_element_type=jnp.float32) for v in vs]
 
   def scoped(*accs):
     for acc, v in zip(accs, vs, strict=True):
       plgpu.wgmma(acc, p, v)
-    extra = then() if then else None
-    return [acc[...] for acc in accs], extra
+    return [acc[...] for acc in accs]
 
   acc = plgpu.ACC((TILE, v_t.shape[-1]), jnp.float32)
   return pl.run_scoped(scoped, *[acc] * len(vs))
@@ -482,13 +453,12 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, *rest):
     if rope:
-      cs_ref, base_ref, o_ref, *scratch = rest
+      cs_ref, o_ref, *scratch = rest
     else:
       o_ref, *scratch = rest
-      cs_ref = base_ref = None
-    (k_raw, v_raw, k_t, v_t, q_raw, o_slots, csm, base) = scratch[:8]
-    (kv_bar, cs_bar, base_bar, raw_free, base_free) = scratch[8:13]
-    (q_bar, q_free, sync) = scratch[13:]
+      cs_ref = None
+    (k_raw, v_raw, k_t, v_t, q_raw, o_slots, csm) = scratch[:7]
+    (kv_bar, cs_bar, raw_free, q_bar, q_free, sync) = scratch[7:]
     o_sw, o_pl = o_slots  # aliased views of the same buffers
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
@@ -497,7 +467,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
     def item(j):
       it = deal_ref[w, j]
-      return [items_ref[it, f] for f in range(4)]
+      return [items_ref[it, f] for f in range(3)]
 
     def q_slot(wg_i, j, jj):
       """Ring slot (and its barrier index) of warpgroup `wg_i`'s `jj`-th
@@ -517,18 +487,14 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
       def run(wg_i):
         heads = heads_of[wg_i]
-        if rope:
-          plgpu.barrier_wait(cs_bar)  # the table's first 64 rows, once
+        rot = None
+        if rope:  # the same for every tile: in registers for the kernel
+          plgpu.barrier_wait(cs_bar)
+          rot = _cos_sin(csm)
 
         def body(j, _):
-          row, valid, _, tail = item(j)
+          row, valid, tail = item(j)
           keep = (1 - tail).astype(jnp.float32)
-          rot = None
-          if rope:
-            # This tile's cos and sin, kept in registers for all its heads.
-            plgpu.barrier_wait(base_bar)
-            rot = _shifted_cos_sin(csm, base)
-            mosaic.release(base_free)
 
           def query(jj):
             """Query head `jj` straight into registers (wgmma's A
@@ -552,11 +518,15 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           mosaic.release(raw_free)
           sync_wgs(0)  # both tiled K and V are in place
           for jj, g in enumerate(heads):
+            # The next query is rotated after the previous head's store:
+            # rotated while P V ran, it held O's accumulators, the table
+            # and the raw query at once and spilled (384 bytes), 119.0 /
+            # 87.4 us a set against 112.4 / 82.1 (all-2,048 / log-normal).
+            if jj:
+              qs = query(jj)
             x = _scores(qs, k_t, static)
             p = _probs(x * c, valid, static).astype(dtype)
-            # The next query is rotated while P V runs.
-            nxt = (lambda jj=jj: query(jj + 1)) if jj + 1 < len(heads) else None
-            os, qs = _pv(p, v_t, static, nxt)
+            os = _pv(p, v_t, static)
             _store_tile(
               [(o * keep).astype(dtype) for o in os],
               (o_sw.at[wg_i], o_pl.at[wg_i]),
@@ -590,31 +560,25 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         _load_tile(q_ref, rows, head, q_raw.at[wg_i, slot], q_bar.at[qb])
 
       def body(j, _):
-        row, _, pos0, _ = item(j)
+        row = item(j)[0]
         rows = pl.ds(row, TILE)
         _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
-        # Each warpgroup's first query, then the RoPE bases (free once the
-        # previous tile's cos and sin are in registers), then the rest.
+        # Each warpgroup's first query, then the rest.
         for wg_i in range(nwg):
           load_q(j, rows, wg_i, 0)
-        if rope:
-          src = base_ref.at[lax.div(pos0, TILE)]
-          _load_cs(j, src, base, base_bar, base_free)
         for wg_i in range(nwg):
           for jj in range(1, jobs[wg_i]):
             load_q(j, rows, wg_i, jj)
         return 0
 
-      if rope:  # the table's first 64 rows (angles r f), for every tile
-        plgpu.copy_gmem_to_smem(cs_ref.at[:, pl.ds(0, TILE)], csm, cs_bar)
+      if rope:  # the RoPE table, once for every tile
+        plgpu.copy_gmem_to_smem(cs_ref, csm, cs_bar)
       lax.fori_loop(0, n_steps, body, 0)
 
       # Observe the last releases (every barrier phase consumed).
       @pl.when(n_steps > 0)
       def _():
         plgpu.barrier_wait(raw_free)
-        if rope:
-          plgpu.barrier_wait(base_free)
 
       for wg_i in range(nwg):
         total = n_steps * jobs[wg_i]
@@ -633,17 +597,14 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     swizzled((nwg, stages, *tile), dtype),
     plgpu.RefUnion(swizzled((nwg, *tile), dtype), plain((nwg, *tile), dtype)),
     swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
-    plain((2, h // 2), jnp.float32) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
-    plgpu.Barrier() if rope else None,  # the table's first rows
-    plgpu.Barrier() if rope else None,  # a tile's bases
+    plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(num_arrivals=nwg),
-    plgpu.Barrier(num_arrivals=nwg) if rope else None,
     plgpu.Barrier(num_arrivals=parts, num_barriers=nwg * stages),
     plgpu.Barrier(num_barriers=nwg * stages),
     plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
   ]
-  args = [items, dealt, counts, q, k, v] + (list(cs) if rope else [])
+  args = [items, dealt, counts, q, k, v] + ([cs] if rope else [])
   return _launch(
     kernel,
     scratch,
@@ -712,7 +673,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       cs_ref = None
     (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
     (p_s, ds_s, stage, csm) = scratch[8:12]
-    (kv_bar, cs_bar, raw_free, cs_free, qd_bar, qd_free) = scratch[12:]
+    (kv_bar, cs_bar, raw_free, qd_bar, qd_free) = scratch[12:]
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -720,7 +681,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
     def item(j):
       it = deal_ref[w, j]
-      return [items_ref[it, f] for f in range(4)]
+      return [items_ref[it, f] for f in range(3)]
 
     @pl.when(wg == 0)
     def _consumer():
@@ -732,12 +693,10 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         _store_tile(xs, tuple(stage), dst_ref, row, head, count)
 
       def body(j, _):
-        row, valid, _, tail = item(j)
+        row, valid, tail = item(j)
         keep = (1 - tail).astype(jnp.float32)
         plgpu.barrier_wait(kv_bar)
         _relayout(v_raw, v_t, keep_rows=valid)
-        if rope:
-          plgpu.barrier_wait(cs_bar)
         rot = _cos_sin(csm) if rope else None
         _relayout(k_raw, k_t, rot=rot, keep_rows=valid)
         plgpu.commit_smem()
@@ -785,12 +744,12 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         # Epilogue: RoPE backward of dK, then one store of dK and dV.
         if rope:
           dk = _unrope(*dk, _cos_sin(csm))
-          # Last read of this tile's table (see `mosaic.release`).
-          mosaic.release(cs_free)
         stage_out([a * (scale * keep) for a in dk], dk_ref, row, kv_head, valid)
         stage_out([a * keep for a in dv], dv_ref, row, kv_head, valid)
         return 0
 
+      if rope:  # the RoPE table, once for every tile
+        plgpu.barrier_wait(cs_bar)
       lax.fori_loop(0, n_steps, body, 0)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -809,12 +768,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         _load_tile(do_ref, rows, head, do_raw, qd_bar)
 
       def body(j, _):
-        row, _, pos0, _ = item(j)
-        rows = pl.ds(row, TILE)
+        rows = pl.ds(item(j)[0], TILE)
         _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
-        if rope:
-          src = cs_ref.at[:, pl.ds(pos0, TILE)]
-          _load_cs(j, src, csm, cs_bar, cs_free)
         load_qd(rows, j * group, 0)
 
         @pl.loop(1, group)
@@ -823,14 +778,14 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
         return 0
 
+      if rope:  # the RoPE table, once for every tile
+        plgpu.copy_gmem_to_smem(cs_ref, csm, cs_bar)
       lax.fori_loop(0, n_steps, body, 0)
 
       @pl.when(n_steps > 0)
       def _():
         plgpu.barrier_wait(raw_free)
         plgpu.barrier_wait(qd_free)
-        if rope:
-          plgpu.barrier_wait(cs_free)
 
   swizzled, tiled, plain = mosaic.smem_swizzled, mosaic.smem_tile, plgpu.SMEM
   tile = (parts * TILE, hp)
@@ -848,13 +803,12 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     plgpu.RefUnion(swizzled(tile, dtype), plain(tile, dtype)),
     swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
-    plgpu.Barrier() if rope else None,
+    plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(),
-    plgpu.Barrier() if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # Q and dO
     plgpu.Barrier(),
   ]
-  args = [items, dealt, counts, q, k, v, do] + ([cs[0]] if rope else [])
+  args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
   return _launch(
     kernel,

@@ -82,9 +82,9 @@ def block_attention_mosaic(
 ):
   """Mosaic GPU block attention (Hopper); same contract as the reference.
 
-  `max_len` sizes the RoPE table (positions `< max_len`; default the buffer
-  capacity) and is checked on concrete offsets. `interpret=None` compiles
-  on a GPU and runs GPU interpret mode elsewhere; `False` always compiles.
+  `max_len` (default the buffer capacity) is checked on concrete offsets.
+  `interpret=None` compiles on a GPU and runs GPU interpret mode
+  elsewhere; `False` always compiles.
   """
   t, n, h = q_tnh.shape
   _, kh, _ = k_tkh.shape
@@ -116,7 +116,7 @@ def block_attention_mosaic(
     block_sizes=block_sizes or BlockSizes(),
     interpret=interpret,
   )
-  cs = mg.rope_table(max_len, h, rope) if fused_rope else None
+  cs = mg.rope_table(h, rope) if fused_rope else None
   return _block_attention(static, q_tnh, k_tkh, v_tkh, offsets, cs)
 
 

@@ -153,46 +153,57 @@ def test_work_items_cover_every_row_once():
   table, num_real = mg.work_items(off, t)
   table = np.asarray(table)[: int(num_real)]
   covered = np.zeros(t, int)
-  for row, valid, pos0, tail in table:
+  for row, valid, tail in table:
     covered[row : row + valid] += 1
-    assert pos0 % mg.TILE == 0
     seq = np.searchsorted(off, row, side="right") - 1
-    if not tail:
-      assert row - off[seq] == pos0  # tiles start at block boundaries
+    if not tail:  # tiles start at block boundaries
+      assert (row - off[seq]) % mg.TILE == 0
   np.testing.assert_array_equal(covered, 1)
 
 
 def test_rope_table_matches_reference():
   h, theta = 128, 10_000.0
-  cs, bases = mg.rope_table(200, h, theta)
-  assert cs.shape == (4, 256, h // 2) and cs.dtype == jnp.float16
-  assert bases.shape == (4, 2, h // 2) and bases.dtype == jnp.float32
+  cs = mg.rope_table(h, theta)
+  assert cs.shape == (4, mg.TILE, h // 2) and cs.dtype == jnp.float16
   # Two f16 terms per value carry it to f32-like accuracy.
   planes = np.asarray(cs, np.float64)
-  ang = np.arange(256)[:, None] * theta ** (-np.arange(0, h, 2) / h)
+  ang = np.arange(mg.TILE)[:, None] * theta ** (-np.arange(0, h, 2) / h)
   for fn, (hi, lo) in ((np.cos, planes[:2]), (np.sin, planes[2:])):
     assert np.abs(hi + lo - fn(ang)).max() < 2.0**-22
     assert np.abs(hi - fn(ang)).max() > 2.0**-14  # one term would not do
-  # The forward's angle addition (tile bases with the first 64 rows), in
-  # f32 as the kernel does it, stays within a few f32 ulps.
-  f32 = np.asarray(cs, np.float32)
-  cos_r, sin_r = (f32[0] + f32[1])[:64], (f32[2] + f32[3])[:64]
-  b = np.asarray(bases)
-  cos = b[:, 0, None] * cos_r - b[:, 1, None] * sin_r
-  sin = b[:, 1, None] * cos_r + b[:, 0, None] * sin_r
-  assert np.abs(cos.reshape(256, -1) - np.cos(ang)).max() < 1e-6
-  assert np.abs(sin.reshape(256, -1) - np.sin(ang)).max() < 1e-6
-  # The rotation it gives agrees with the reference's (whose f32 angles
-  # are off by up to |angle| * 2^-24, ~1e-5 at position 200).
-  pos = jnp.arange(200)
-  x = jax.random.normal(jax.random.key(0), (200, 1, h))
+  # The rotation it gives (in f32, as the kernels) is the reference's.
+  pos = jnp.arange(mg.TILE)
+  x = jax.random.normal(jax.random.key(0), (mg.TILE, 1, h))
   x1, x2 = x[..., : h // 2], x[..., h // 2 :]
   f32 = cs.astype(jnp.float32)
-  cos, sin = (f32[0] + f32[1])[:200, None], (f32[2] + f32[3])[:200, None]
+  cos, sin = (f32[0] + f32[1])[:, None], (f32[2] + f32[3])[:, None]
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
   np.testing.assert_allclose(
-    rotated, rope_reference(x, pos, theta), rtol=0, atol=1e-4
+    rotated, rope_reference(x, pos, theta), rtol=0, atol=1e-5
   )
+
+
+@pytest.mark.parametrize("block,causal", [(64, False), (32, False), (64, True)])
+def test_rope_at_tile_positions_is_the_same_attention(block, causal):
+  # The kernels rotate Q and K by their position inside a 64-row tile, not
+  # in the sequence: scores depend only on position differences, and both
+  # rows of a score share a tile. The reference at sequence positions
+  # must give the same outputs (f32, positions up to 1,200, whose f32
+  # angles are off by up to ~1e-4 rad in the reference).
+  off = cases.offsets([1200, 70, 1, 0, 130])
+  t = int(off[-1]) + 3
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (t, 4, 128))
+  k = jax.random.normal(ks[1], (t, 2, 128))
+  v = jax.random.normal(ks[2], (t, 2, 128))
+  kw = dict(block=block, causal=causal)
+  with jax.default_matmul_precision("highest"):
+    want = block_attention_reference(q, k, v, off, rope=1e4, **kw)
+    pos = positions(jnp.asarray(off), t) % mg.TILE
+    got = block_attention_reference(
+      rope_reference(q, pos, 1e4), rope_reference(k, pos, 1e4), v, off, **kw
+    )
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
 def test_sliding_window_reference_matches_dense():
