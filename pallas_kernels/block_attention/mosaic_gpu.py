@@ -99,6 +99,13 @@ alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
 held in registers while P V ran: 124.6 / 89.3 us in session 9's run)
 now costs 11 / 21 us: the f32 rotation is ~3.5 instructions an element
 (unpack, two multiplies, pack) on the consumers' critical path.
+Moving every register pass (K, V and each query head, RoPE included) to
+a fourth warpgroup that fills tiled buffers for the two attention
+warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
+no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
+2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4
+against 98.1 us with RoPE left out: one warpgroup doing the passes one
+after another starves the two that wait on it.
 """
 
 import dataclasses
