@@ -123,8 +123,9 @@ def test_block32_one_head_forward_interpret():
 @pytest.mark.parametrize("n", [2, 1])
 def test_no_races_interpret(n):
   # The interpreter's race detector over the forward (two consumer
-  # warpgroups with n=2, one with n=1) and the backward: raw tiles, the
-  # RoPE table and the query rings are all refilled only after release.
+  # warpgroups with n=2, one with n=1) and the backward: raw tiles and
+  # the query rings are refilled only after release, and the RoPE table
+  # (loaded once) is read only after its load.
   off = cases.offsets([70, 0, 1, 9])
   t = int(off[-1]) + 5
   ks = jax.random.split(jax.random.key(5), 4)
