@@ -82,6 +82,26 @@ def test_block64_rope_gqa_interpret():
   )
 
 
+def test_block32_causal_fused_rope_interpret():
+  # Fused RoPE (head dim 128) under both masks the kernels build: blocks
+  # of 32 (block-diagonal in each 64-row tile) and causal. Positions up to
+  # 199, so rotating at tile positions differs from sequence positions in
+  # every value and agrees only through the scores.
+  _check_case(
+    [200, 1, 37],
+    n=2,
+    kh=1,
+    h=128,
+    dtype=jnp.bfloat16,
+    tail=4,
+    seed=4,
+    block=32,
+    rope=10_000.0,
+    causal=True,
+    block_sizes=SMALL,
+  )
+
+
 def test_block32_causal_odd_group_interpret():
   # Blocks of 32 (two per 64-row tile, block-diagonal mask), causal, fp16,
   # 3 query heads per KV head (uneven split over the warpgroups), head dim
