@@ -50,9 +50,8 @@ position inside the tile (`r < 64`) instead of the one in the sequence
 table (`rope_table`) serves every tile: it is loaded into shared memory
 once per CTA, and the forward keeps its f32 cos and sin in registers for
 the whole kernel (the backward, whose registers hold dK and dV, reads it
-from shared memory where it rotates). (Absolute positions cost the
-forward a per-tile angle addition and table load: 124.6 / 89.3 us per
-set, see below.)
+from shared memory where it rotates). Rotating at sequence positions
+cost a per-tile angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -95,10 +94,13 @@ the benchmark's batches, four input sets per timed call, per set, timed in
 alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
 (72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
 70.7%), and an XLA op moving the same bytes (`q + repeat(k + v)`) 96.3 /
-52.2 us (84.1% / 83.1%). The RoPE (at absolute positions, with the table
-held in registers while P V ran: 124.6 / 89.3 us in session 9's run)
-now costs 11 / 21 us: the f32 rotation is ~3.5 instructions an element
-(unpack, two multiplies, pack) on the consumers' critical path.
+52.2 us (84.1% / 83.1%), so RoPE costs about 11 / 21 us: per element
+the f32 rotation is an unpack, two multiplies and half a pack (about 3.5
+instructions, counted from the code, not read from SASS), on the
+consumers' critical path. The kernel before, rotating at sequence
+positions with the next query rotated while P V ran, measured 124.6 /
+89.3 us with RoPE in session 9's run (.notes/dev/s9_blk.py, not timed in
+alternation with these).
 Moving every register pass (K, V and each query head, RoPE included) to
 a fourth warpgroup that fills tiled buffers for the two attention
 warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
@@ -123,7 +125,6 @@ from pallas_kernels import mosaic, schedule
 TILE = 64
 PART = 64  # columns of one part of a tile (see "Column parts")
 LOG2E = math.log2(math.e)
-SMEM_BYTES = 227 * 1024
 _L = plgpu.Layout.WGMMA
 
 
@@ -208,7 +209,6 @@ def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
     + (_CS_BYTES if rope else 0)
     + nwg * stages * tile  # query ring
     + nwg * tile  # output staging (swizzled or plain, aliased)
-    + 4096  # barriers and alignment
   )
 
 
@@ -220,14 +220,14 @@ def _bwd_smem(h, rope, dtype_bytes=2):
     + 4 * tile  # Q, dO raw and tiled
     + 2 * TILE * TILE * dtype_bytes  # P, dX
     + tile  # output staging (swizzled or plain, aliased)
-    + 4096  # barriers and alignment
   )
 
 
 def fits(h: int, rope: bool) -> bool:
   """Whether both kernels fit shared memory at this head dim."""
   return (
-    _fwd_smem(h, 2, 1, rope) <= SMEM_BYTES and _bwd_smem(h, rope) <= SMEM_BYTES
+    _fwd_smem(h, 2, 1, rope) <= mosaic.SMEM_LIMIT
+    and _bwd_smem(h, rope) <= mosaic.SMEM_LIMIT
   )
 
 
@@ -445,7 +445,9 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   group = n // kh
   nwg = 2 if group >= 2 else 1
   stages = static.block_sizes.q_stages
-  while stages > 1 and _fwd_smem(h, nwg, stages, static.rope) > SMEM_BYTES:
+  while (
+    stages > 1 and _fwd_smem(h, nwg, stages, static.rope) > mosaic.SMEM_LIMIT
+  ):
     stages -= 1
   rope = static.rope
   parts, hp = h // PART, PART

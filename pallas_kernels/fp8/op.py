@@ -121,6 +121,17 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def _map_batch(fn, axis_size, in_batched, args):
+  """`fn` over a batch one entry at a time (`lax.map`), the arguments
+  without a batch axis broadcast to one: a kernel call's vmap rule where
+  the batch cannot be folded into its rows."""
+  args = tuple(
+    a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+    for a, batched in zip(args, in_batched, strict=True)
+  )
+  return lax.map(lambda t: fn(*t), args)
+
+
 @functools.cache
 def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
   """The kernel call on one `[r, c]` matrix, batched by folding into rows."""
@@ -153,19 +164,17 @@ def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
   @f.def_vmap
   def _rule(axis_size, in_batched, x_vrc, seed_hash):
     x_batched, seed_batched = in_batched
-    if not x_batched:
-      x_vrc = jnp.broadcast_to(x_vrc, (axis_size, r, c))
     if r % br == 0 and not seed_batched:
       # Blocks never straddle two batch entries: fold the batch into rows.
+      if not x_batched:
+        x_vrc = jnp.broadcast_to(x_vrc, (axis_size, r, c))
       v, s = one(x_vrc.reshape(axis_size * r, c), seed_hash)
       return (
         v.reshape(axis_size, r, c),
         s.reshape(axis_size, r // br, -1),
       ), (True, True)
-    seeds = (
-      seed_hash if seed_batched else jnp.broadcast_to(seed_hash, (axis_size,))
-    )
-    return lax.map(lambda a: one(*a), (x_vrc, seeds)), (True, True)
+    out = _map_batch(one, axis_size, in_batched, (x_vrc, seed_hash))
+    return out, (True, True)
 
   return f
 
@@ -214,11 +223,7 @@ def _transpose_quantize_fn(r: int, c: int):
 
   @f.def_vmap
   def _rule(axis_size, in_batched, *args):
-    args = [
-      a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-      for a, b in zip(args, in_batched, strict=True)
-    ]
-    return lax.map(lambda t: one(*t), tuple(args)), (True, True)
+    return _map_batch(one, axis_size, in_batched, args), (True, True)
 
   return f
 
@@ -315,11 +320,8 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
         sa = jnp.moveaxis(sa, 0, 1).reshape(sa.shape[1], axis_size * m)
       out = one(a.reshape(axis_size * m, k), sa, b, sb)
       return out.reshape(axis_size, m, n), True
-    bcast = lambda x, batched: (
-      x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
-    )
-    args = tuple(map(bcast, args, in_batched))
-    return lax.map(lambda t: one(*split(t)), args), True
+    one_of = lambda *t: one(*split(t))
+    return _map_batch(one_of, axis_size, in_batched, args), True
 
   return f
 

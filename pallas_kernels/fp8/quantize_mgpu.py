@@ -118,7 +118,7 @@ SUPPORTED_HADAMARD = (None, 32, 64, 128)
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
-_BF16_TILES = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_BF16_TILES = (mosaic.TILING, mosaic.SWIZZLE)
 
 
 def _bcast_rows(v, shape):
@@ -540,9 +540,6 @@ def quantize_mgpu(
   )(x_rc, h, seed)
 
 
-SMEM_LIMIT = 227 * 1024
-
-
 def ring_smem_bytes(block, hb, tile_r, stages, slots, wgs) -> int:
   """Shared memory of one CTA of the persistent form."""
   per_wg = (
@@ -574,7 +571,7 @@ def _ring_call(
   col_tiles = c // TILE_C
   n_tiles = (r // tile_r) * col_tiles
   smem = ring_smem_bytes(block, hb, tile_r, stages, slots, wgs)
-  if smem > SMEM_LIMIT:
+  if smem > mosaic.SMEM_PER_BLOCK:
     raise ValueError(f"quantize_mgpu: {smem} B of shared memory per CTA")
   grid = min(ctas, pl.cdiv(n_tiles, wgs))
   kernel = functools.partial(
@@ -726,8 +723,9 @@ def transpose_quantize_mgpu(
     raise ValueError("scales go with e4m3 values, and only with them")
   if scaled and sx_Cr.shape != (c // TILE_C, r):
     raise ValueError(f"scales {sx_Cr.shape} for x {x_rc.shape}")
-  dtype = fmt.E4M3 if scaled else jnp.bfloat16
-  x_rc = x_rc.astype(dtype)
+  if not scaled and x_rc.dtype != jnp.bfloat16:
+    raise ValueError(f"x must be bf16 (or e4m3 with scales): {x_rc.dtype}")
+  dtype = x_rc.dtype
   row_tiles, col_tiles = r // TILE_C, c // TILE_C
   steps = _steps_per_program(row_tiles, col_tiles, num_sms)
   kernel = functools.partial(

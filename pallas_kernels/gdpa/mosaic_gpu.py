@@ -134,8 +134,6 @@ from jax import lax
 from pallas_kernels import mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
-SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per CTA
-
 # tanh(u) ~ u (c0 + c1 u^2 + c2 u^4) on |u| <= TANH_POLY_RANGE (module doc).
 TANH_POLY = (0.9969966957, -0.3073168678, 0.0722663395)
 TANH_POLY_RANGE = 1.0
@@ -537,7 +535,8 @@ def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
   full = bs.full_store and out_bytes == 2
   for hpc in (2, 1) if group % 2 == 0 else (1,):
     for qs in range(bs.q_stages or MAX_Q_STAGES, 0, -1):
-      if _query_smem(hpc, qs, h, bs, dq, out_bytes, full) <= SMEM_BYTES:
+      smem = _query_smem(hpc, qs, h, bs, dq, out_bytes, full)
+      if smem <= mosaic.SMEM_PER_BLOCK:
         return hpc, qs, full
   raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
 

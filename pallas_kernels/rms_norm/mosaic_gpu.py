@@ -143,7 +143,7 @@ class BlockSizes:
     direct stores. Only for tiles that divide `t` (else the ring is used).
     `None` = on in the plain forward over 16-bit rows of 2-4 KiB (d = 1024
     to 2048 at bf16), with 2 warps per row, 8 KiB tiles and 2 blocks per SM
-    unless set otherwise, where such tiles divide `t` (`_WIDE_ROWS`).
+    unless set otherwise, where such tiles divide `t` (`_wide_rows`).
   balance: forward only, `block_rows=None`: among row counts within 2x of
     `tile_bytes` that keep >= 2 stages, take the one whose busiest block
     has the fewest rows (`ceil(ceil(t/m)/g)·m`): the last wave of tiles

@@ -588,6 +588,8 @@ def test_transpose_quantize_refuses_bad_input():
     quantize_mgpu.transpose_quantize_mgpu(x[:64], interpret=True)
   with pytest.raises(ValueError, match="scales go with e4m3"):
     quantize_mgpu.transpose_quantize_mgpu(x, jnp.ones((1, 128)), interpret=True)
+  with pytest.raises(ValueError, match="must be bf16"):
+    quantize_mgpu.transpose_quantize_mgpu(x.astype(jnp.float32), interpret=True)
   with pytest.raises(ValueError, match="scales"):
     quantize_mgpu.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn), jnp.ones((2, 128)), interpret=True

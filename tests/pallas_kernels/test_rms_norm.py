@@ -209,6 +209,12 @@ def test_default_pipeline_settings():
   assert (fp8_out.stages, fp8_out.out_slots) == (4, 2)
   assert not (fwd.direct_loads or bwd.direct_loads)
   assert fwd.num_blocks == bwd.num_blocks == mosaic_gpu.H200_NUM_SMS
+  # Interpret mode drops what the interpreter lacks (PDL).
+  bs = mosaic_gpu.BlockSizes(pdl=True)
+  interp = mosaic_gpu.make_config(
+    64, 64, jnp.float32, None, False, 1e-6, bs, True, bwd=False
+  )
+  assert not interp.pdl
 
 
 @pytest.mark.parametrize("t,d", [(262_144, 2048), (262_144, 1024), (8, 1024)])
@@ -255,12 +261,6 @@ def test_wide_rows_default_matches_reference():
     return rms_norm_mosaic(x, g, r, fwd_block_sizes=bs, interpret=True)
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
-  # Interpret mode drops what the interpreter lacks (PDL).
-  bs = mosaic_gpu.BlockSizes(pdl=True)
-  interp = mosaic_gpu.make_config(
-    64, 64, jnp.float32, None, False, 1e-6, bs, True, bwd=False
-  )
-  assert not interp.pdl
 
 
 def test_qk_norm_shape_under_grad():
