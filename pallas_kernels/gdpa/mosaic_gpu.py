@@ -382,14 +382,15 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
   if bs.dkv_split is not None:
     return bs.dkv_split
   tiles = max(seqs, kv_rows // DKV_ROWS, 1)
-  return max(1, min(MAX_KV_SPLIT, bs.num_sms // (kv_heads * tiles)))
+  return max(1, min(MAX_DKV_SPLIT, bs.num_sms // (kv_heads * tiles)))
 
 
 # --------------------------------------------------------------------------
 # Forward and dQ: persistent CTAs over query tiles.
 
 MAX_Q_STAGES = 4  # Q ring depth chosen when `q_stages` is None
-MAX_KV_SPLIT = 4  # key parts chosen when `kv_split` is None
+MAX_KV_SPLIT = 3  # most key parts chosen when `kv_split` is None
+MAX_DKV_SPLIT = 4  # most query parts chosen when `dkv_split` is None
 DKV_ROWS = 128  # key rows per dK/dV CTA (two warpgroups of 64)
 DS_ROWS = DKV_ROWS // 2  # key rows of a dS^T tile: one dK/dV warpgroup's
 
@@ -442,7 +443,13 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
   """Key parts per query tile (split-K). Few query tiles over long keys
   (pooled attention) leave most persistent CTAs idle and one CTA streaming
   a 2K history alone; splitting each tile's keys into parts gives every
-  CTA work. `num_items` is the static bound on query tiles."""
+  CTA work. `num_items` is the static bound on query tiles. Each part
+  writes an f32 partial that XLA adds, so parts cost traffic, and past
+  `MAX_KV_SPLIT` they cost more than they spread: H200, pooled (16 queries
+  over 32 log-normal histories: 72 tiles bound, 132 workers), timed in
+  alternation with cuDNN (.notes/dev/s11_pooled3.py, 2026-12-01), forward
+  35.3 / 30.3 / 33.3 us a set with 4 / 3 / 2 parts, forward+backward
+  (whose dQ kernel splits alike) 109.4 / 95.4 / 102.7 us (3 K/V stages)."""
   if bs.kv_split is not None:
     return bs.kv_split
   workers = -(-bs.num_sms // groups)
