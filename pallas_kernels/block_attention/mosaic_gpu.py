@@ -42,16 +42,16 @@ the previous head's store drains, measured the same on the H200: 0.119 /
 0.121 ms at all-2,048, 0.079 / 0.078 ms log-normal; stores do not wait
 on their staging buffer.)
 
-RoPE at tile positions. RoPE makes a score depend on the two positions
-only through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and
-both rows of every score sit in one 64-row tile, so rotating by the
-position inside the tile (`r < 64`) instead of the one in the sequence
-(`64 f + r`) gives the same scores, outputs and gradients. So one 64-row
-table (`rope_table`) serves every tile: it is loaded into shared memory
-once per CTA, and the forward keeps its f32 cos and sin in registers for
-the whole kernel (the backward, whose registers hold dK and dV, reads it
-from shared memory where it rotates). Rotating at sequence positions
-cost a per-tile angle addition and table load (see below).
+RoPE at tile positions. RoPE makes a score depend on the two positions only
+through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and both rows of
+every score sit in one 64-row tile, so rotating by the position inside the tile
+(`r < 64`) instead of the one in the sequence (`64 f + r`) gives the same
+scores, outputs and gradients. So one 64-row table (`rope_table`) serves every
+tile: it is loaded into shared memory once per CTA, and the forward keeps its
+cos and sin (in the input dtype by default, `BlockSizes.rope_f32`) in registers
+for the whole kernel (the backward, whose registers hold dK and dV, reads it
+from shared memory where it rotates). Rotating at sequence positions cost a
+per-tile angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -89,25 +89,25 @@ dK and dV in registers (the GQA reduction stays in the kernel, O7).
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
 
-Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py:
-the benchmark's batches, four input sets per timed call, per set, timed in
-alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
-(72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
-70.7%), and an XLA op moving the same bytes (`q + repeat(k + v)`) 96.3 /
-52.2 us (84.1% / 83.1%), so RoPE costs about 11 / 21 us: per element
-the f32 rotation is an unpack, two multiplies and half a pack (about 3.5
-instructions, counted from the code, not read from SASS), on the
-consumers' critical path. The kernel before, rotating at sequence
-positions with the next query rotated while P V ran, measured 124.6 /
-89.3 us with RoPE in session 9's run (.notes/dev/s9_blk.py, not timed in
-alternation with these).
-Moving every register pass (K, V and each query head, RoPE included) to
-a fourth warpgroup that fills tiled buffers for the two attention
-warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
-no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
-2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4
-against 98.1 us with RoPE left out: one warpgroup doing the passes one
-after another starves the two that wait on it.
+Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py: the
+benchmark's batches, four input sets per timed call, per set, timed in
+alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths (72.1%
+/ 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% / 70.7%), and an XLA
+op moving the same bytes (`q + repeat(k + v)`) 96.3 / 52.2 us (84.1% / 83.1%),
+so RoPE costs about 11 / 21 us: per element the f32 rotation is an unpack, two
+multiplies and half a pack (about 3.5 instructions, counted from the code, not
+read from SASS), on the consumers' critical path; rotating in the input dtype
+instead (`BlockSizes.rope_f32`, now the default) brings the forward to 98.5 /
+63.2 us in a later run (106.3 / 78.5 in f32 there). The kernel before, rotating
+at sequence positions with the next query rotated while P V ran, measured 124.6
+/ 89.3 us with RoPE in session 9's run (.notes/dev/s9_blk.py, not timed in
+alternation with these). Moving every register pass (K, V and each query head,
+RoPE included) to a fourth warpgroup that fills tiled buffers for the two
+attention warpgroups (Q read by wgmma from shared memory; registers 160 / 168 /
+24, no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
+2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4 against 98.1
+us with RoPE left out: one warpgroup doing the passes one after another starves
+the two that wait on it.
 """
 
 import dataclasses
@@ -139,10 +139,22 @@ class BlockSizes:
   224 of the 227 KiB of shared memory). With the output buffers aliased
   (196 KiB for two slots), two still ran 0.125 / 0.081 ms against one's
   0.119 / 0.079 ms, so shared-memory capacity was not the reason.
+
+  `rope_f32`: the RoPE rotation of Q and K (forward and backward; the backward's
+  un-rotation of dQ and dK stays f32) in f32 or in the input dtype (no
+  conversions to and from f32 around the arithmetic). On the H200
+  (.notes/dev/s11_blk_rope.py, 2026-12-01, per set, timed in alternation) the
+  input dtype ran the forward in 98.5 against 106.3 us at all-2,048 and 63.2
+  against 78.5 us log-normal (93.9 / 56.2 with RoPE left out); forward+backward
+  578.8 against 575.6 us at all-2,048 (the same, within the rounds' spread).
+  Relative errors against the f32 reference, all-2,048: O 0.0038 against 0.0032,
+  dQ / dK 0.0043 against 0.0036 (the rotated rows are rounded twice instead of
+  once).
   """
 
   num_sms: int = 132  # H200; persistent CTAs = about this many
   q_stages: int = 1
+  rope_f32: bool = False  # rotate Q and K in f32 (default: input dtype)
 
   def __post_init__(self):
     if self.num_sms < 1 or self.q_stages < 1:
@@ -239,21 +251,22 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), _L)
 
 
-def _cos_sin(cs):
-  """f32 cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`)."""
+def _cos_sin(cs, dtype=jnp.float32):
+  """cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`),
+  summed in f32, as `dtype`."""
   f32 = [plgpu.load(cs.at[i], layout=_L).astype(jnp.float32) for i in range(4)]
-  return f32[0] + f32[1], f32[2] + f32[3]
+  return (f32[0] + f32[1]).astype(dtype), (f32[2] + f32[3]).astype(dtype)
 
 
 def _load_parts(raw, rot=None):
   """The parts of a swizzled `[parts * 64, 64]` tile in registers, rotated
-  by RoPE (`rot`: f32 cos and sin of the tile's positions; then f32) if
-  given."""
+  by RoPE (`rot`: cos and sin of the tile's positions, f32 or the input
+  dtype; the result in theirs) if given."""
   xs = [plgpu.load(part, layout=_L) for part in _all_parts(raw)]
   if rot is None:
     return xs
-  x1, x2 = (x.astype(jnp.float32) for x in xs)  # the halves RoPE pairs
   cos, sin = rot
+  x1, x2 = (x.astype(cos.dtype) for x in xs)  # the halves RoPE pairs
   return [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
 
 
@@ -450,6 +463,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   ):
     stages -= 1
   rope = static.rope
+  rot_dtype = jnp.float32 if static.block_sizes.rope_f32 else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   num_items = items.shape[0]
@@ -499,7 +513,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         rot = None
         if rope:  # the same for every tile: in registers for the kernel
           plgpu.barrier_wait(cs_bar)
-          rot = _cos_sin(csm)
+          rot = _cos_sin(csm, rot_dtype)
 
         def body(j, _):
           row, valid, tail = item(j)
@@ -664,6 +678,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   dtype = q.dtype
   group = n // kh
   rope = static.rope
+  rot_dtype = jnp.float32 if static.block_sizes.rope_f32 else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   scale = static.scale
@@ -706,7 +721,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         keep = (1 - tail).astype(jnp.float32)
         plgpu.barrier_wait(kv_bar)
         _relayout(v_raw, v_t, keep_rows=valid)
-        rot = _cos_sin(csm) if rope else None
+        rot = _cos_sin(csm, rot_dtype) if rope else None
         _relayout(k_raw, k_t, rot=rot, keep_rows=valid)
         plgpu.commit_smem()
         plgpu.barrier_arrive(raw_free)
@@ -716,7 +731,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
         def head_step(g, carry):
           dk, dv = carry
           plgpu.barrier_wait(qd_bar)
-          _relayout(q_raw, q_t, rot=_cos_sin(csm) if rope else None)
+          rot = _cos_sin(csm, rot_dtype) if rope else None
+          _relayout(q_raw, q_t, rot=rot)
           _relayout(do_raw, do_t, keep_rows=valid)
           plgpu.commit_smem()
           plgpu.barrier_arrive(qd_free)

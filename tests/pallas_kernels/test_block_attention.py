@@ -8,6 +8,8 @@ multiple of the block (zero-filled last block), sequences starting off the
 them compiled at real shapes on the H200.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,8 @@ def test_block32_causal_fused_rope_interpret():
   # Fused RoPE (head dim 128) under both masks the kernels build: blocks
   # of 32 (block-diagonal in each 64-row tile) and causal. Positions up to
   # 199, so rotating at tile positions differs from sequence positions in
-  # every value and agrees only through the scores.
+  # every value and agrees only through the scores. Rotation in f32 (the
+  # other fused-RoPE case takes the default, the input dtype).
   _check_case(
     [200, 1, 37],
     n=2,
@@ -98,7 +101,7 @@ def test_block32_causal_fused_rope_interpret():
     block=32,
     rope=10_000.0,
     causal=True,
-    block_sizes=SMALL,
+    block_sizes=dataclasses.replace(SMALL, rope_f32=True),
   )
 
 
@@ -192,7 +195,8 @@ def test_rope_table_matches_reference():
   for fn, (hi, lo) in ((np.cos, planes[:2]), (np.sin, planes[2:])):
     assert np.abs(hi + lo - fn(ang)).max() < 2.0**-22
     assert np.abs(hi - fn(ang)).max() > 2.0**-14  # one term would not do
-  # The rotation it gives (in f32, as the kernels) is the reference's.
+  # The rotation it gives (in f32, as the kernels' `rope_f32`) is the
+  # reference's.
   pos = jnp.arange(mg.TILE)
   x = jax.random.normal(jax.random.key(0), (mg.TILE, 1, h))
   x1, x2 = x[..., : h // 2], x[..., h // 2 :]
