@@ -198,10 +198,11 @@ def ladder_store(src_smem, dst_rows, start, count, max_rows: int):
 
 TILING = plgpu.TilingTransform((8, 64))
 SWIZZLE = plgpu.SwizzleTransform(128)
+TILES = (TILING, SWIZZLE)  # 16-bit tiles as wgmma reads them
 
 
 def smem_tile(shape, dtype):
-  return plgpu.SMEM(shape, dtype, transforms=(TILING, SWIZZLE))
+  return plgpu.SMEM(shape, dtype, transforms=TILES)
 
 
 def smem_swizzled(shape, dtype):

@@ -42,16 +42,17 @@ the previous head's store drains, measured the same on the H200: 0.119 /
 0.121 ms at all-2,048, 0.079 / 0.078 ms log-normal; stores do not wait
 on their staging buffer.)
 
-RoPE at tile positions. RoPE makes a score depend on the two positions only
-through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and both rows of
-every score sit in one 64-row tile, so rotating by the position inside the tile
-(`r < 64`) instead of the one in the sequence (`64 f + r`) gives the same
-scores, outputs and gradients. So one 64-row table (`rope_table`) serves every
-tile: it is loaded into shared memory once per CTA, and the forward keeps its
-cos and sin (in the input dtype by default, `BlockSizes.rope_f32`) in registers
-for the whole kernel (the backward, whose registers hold dK and dV, reads it
-from shared memory where it rotates). Rotating at sequence positions cost a
-per-tile angle addition and table load (see below).
+RoPE at tile positions. RoPE makes a score depend on the two positions
+only through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and
+both rows of every score sit in one 64-row tile, so rotating by the
+position inside the tile (`r < 64`) instead of the one in the sequence
+(`64 f + r`) gives the same scores, outputs and gradients. So one 64-row
+table (`rope_table`) serves every tile: it is loaded into shared memory
+once per CTA, and the forward keeps its cos and sin (in the input dtype
+by default, `BlockSizes.rope_f32`) in registers for the whole kernel (the
+backward, whose registers hold dK and dV, reads it from shared memory
+where it rotates). Rotating at sequence positions cost a per-tile angle
+addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -89,25 +90,26 @@ dK and dV in registers (the GQA reduction stays in the kernel, O7).
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
 
-Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py: the
-benchmark's batches, four input sets per timed call, per set, timed in
-alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths (72.1%
-/ 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% / 70.7%), and an XLA
-op moving the same bytes (`q + repeat(k + v)`) 96.3 / 52.2 us (84.1% / 83.1%),
-so RoPE costs about 11 / 21 us: per element the f32 rotation is an unpack, two
-multiplies and half a pack (about 3.5 instructions, counted from the code, not
-read from SASS), on the consumers' critical path; rotating in the input dtype
-instead (`BlockSizes.rope_f32`, now the default) brings the forward to 98.5 /
-63.2 us in a later run (106.3 / 78.5 in f32 there). The kernel before, rotating
-at sequence positions with the next query rotated while P V ran, measured 124.6
-/ 89.3 us with RoPE in session 9's run (.notes/dev/s9_blk.py, not timed in
-alternation with these). Moving every register pass (K, V and each query head,
-RoPE included) to a fourth warpgroup that fills tiled buffers for the two
-attention warpgroups (Q read by wgmma from shared memory; registers 160 / 168 /
-24, no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
-2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4 against 98.1
-us with RoPE left out: one warpgroup doing the passes one after another starves
-the two that wait on it.
+Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py:
+the benchmark's batches, four input sets per timed call, per set, timed in
+alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
+(72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
+70.7%), and an XLA op moving the same bytes (`q + repeat(k + v)`) 96.3 /
+52.2 us (84.1% / 83.1%), so RoPE cost about 11 / 21 us: per element the
+f32 rotation is an unpack, two multiplies and half a pack (about 3.5
+instructions, counted from the code, not read from SASS), on the
+consumers' critical path. Rotating in the input dtype instead is now the
+default (`BlockSizes.rope_f32` has its figures). The kernel before,
+rotating at sequence positions with the next query rotated while P V
+ran, measured 124.6 / 89.3 us with RoPE in session 9's run
+(.notes/dev/s9_blk.py, not timed in alternation with these).
+Moving every register pass (K, V and each query head, RoPE included) to
+a fourth warpgroup that fills tiled buffers for the two attention
+warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
+no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
+2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4
+against 98.1 us with RoPE left out: one warpgroup doing the passes one
+after another starves the two that wait on it.
 """
 
 import dataclasses
@@ -140,16 +142,17 @@ class BlockSizes:
   (196 KiB for two slots), two still ran 0.125 / 0.081 ms against one's
   0.119 / 0.079 ms, so shared-memory capacity was not the reason.
 
-  `rope_f32`: the RoPE rotation of Q and K (forward and backward; the backward's
-  un-rotation of dQ and dK stays f32) in f32 or in the input dtype (no
-  conversions to and from f32 around the arithmetic). On the H200
-  (.notes/dev/s11_blk_rope.py, 2026-12-01, per set, timed in alternation) the
-  input dtype ran the forward in 98.5 against 106.3 us at all-2,048 and 63.2
-  against 78.5 us log-normal (93.9 / 56.2 with RoPE left out); forward+backward
-  578.8 against 575.6 us at all-2,048 (the same, within the rounds' spread).
-  Relative errors against the f32 reference, all-2,048: O 0.0038 against 0.0032,
-  dQ / dK 0.0043 against 0.0036 (the rotated rows are rounded twice instead of
-  once).
+  `rope_f32`: the RoPE rotation of Q and K in f32, or (default) in the
+  input dtype, with no conversions to and from f32 around the arithmetic.
+  The backward rotates as the forward did, so the scores it recomputes are
+  the forward's; its un-rotation of the f32 dQ and dK stays f32. On the
+  H200 (.notes/dev/s11_blk_rope.py, 2026-12-01, per set, timed in
+  alternation) the input dtype ran the forward in 98.5 against 106.3 us at
+  all-2,048 and 63.2 against 78.5 us log-normal (93.9 / 56.2 with RoPE
+  left out); forward+backward 578.8 against 575.6 us at all-2,048 (the
+  same, within the rounds' spread). Relative errors against the f32
+  reference, all-2,048: O 0.0038 against 0.0032, dQ / dK 0.0043 against
+  0.0036 (the rotated rows are rounded twice instead of once).
   """
 
   num_sms: int = 132  # H200; persistent CTAs = about this many

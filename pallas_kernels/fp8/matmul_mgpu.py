@@ -469,11 +469,10 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
   """Shared memory of `quantizing_matmul_mgpu`: rings, epilogue, barriers."""
   nq, kb = bs.quantizers, 128
   cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
-  a_tiles = (mosaic.TILING, mosaic.SWIZZLE)
   f8_tiles = quantize_mgpu.F8_TILES
   f8 = jnp.float8_e4m3fn
   return [
-    plgpu.SMEM((nq * bs.stages_a, cta_m, kb), jnp.bfloat16, transforms=a_tiles),
+    mosaic.smem_tile((nq * bs.stages_a, cta_m, kb), jnp.bfloat16),
     plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=f8_tiles),
     plgpu.SMEM((bs.stages_b, cta_n), jnp.float32),
     plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=f8_tiles),

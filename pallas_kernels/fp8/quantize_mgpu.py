@@ -118,7 +118,6 @@ SUPPORTED_HADAMARD = (None, 32, 64, 128)
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _COL = plgpu.Layout.WGMMA.reduce(0)
-_BF16_TILES = (mosaic.TILING, mosaic.SWIZZLE)
 
 
 def _bcast_rows(v, shape):
@@ -272,7 +271,7 @@ def _kernel(
     grid=(steps,),
     in_specs=[
       plgpu.BlockSpec(
-        (tile_r, TILE_C), lambda s: (s, 0), transforms=_BF16_TILES
+        (tile_r, TILE_C), lambda s: (s, 0), transforms=mosaic.TILES
       )
     ],
     max_concurrent_steps=stages,
@@ -525,7 +524,7 @@ def quantize_mgpu(
     plgpu.Barrier(num_barriers=2),
   )
   if hadamard is not None:
-    h_smem = plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=_BF16_TILES)
+    h_smem = mosaic.smem_tile((TILE_C, TILE_C), jnp.bfloat16)
     scratch = (h_smem, *scratch)
   return plgpu.kernel(
     kernel,
@@ -590,9 +589,7 @@ def _ring_call(
   )
   scratch = (
     plgpu.SMEM((TILE_R,), jnp.int32),
-    plgpu.SMEM(
-      (wgs, stages, tile_r, TILE_C), jnp.bfloat16, transforms=_BF16_TILES
-    ),
+    mosaic.smem_tile((wgs, stages, tile_r, TILE_C), jnp.bfloat16),
     plgpu.SMEM((wgs, tile_r // TILE_R, 4, TILE_R), jnp.float32),
     plgpu.SMEM((wgs, slots, tile_r, TILE_C), fmt.E4M3),
     plgpu.SMEM((wgs, slots, TILE_C // bc, tile_r), jnp.float32),
@@ -600,7 +597,7 @@ def _ring_call(
     plgpu.Barrier(num_barriers=wgs * stages),
   )
   if hb is not None:
-    h_smem = plgpu.SMEM((TILE_C, TILE_C), jnp.bfloat16, transforms=_BF16_TILES)
+    h_smem = mosaic.smem_tile((TILE_C, TILE_C), jnp.bfloat16)
     scratch = (h_smem, *scratch)
   threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
   return plgpu.kernel(
@@ -631,7 +628,7 @@ def _steps_per_program(row_tiles: int, col_tiles: int, num_sms: int) -> int:
 # ---------------------------------------------------------------------------
 
 # e4m3 tiles as an 8-bit wgmma reads them (also the FP8 matmul's).
-F8_TILES = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+F8_TILES = (plgpu.TilingTransform((8, 128)), mosaic.SWIZZLE)
 
 
 def _transpose_kernel(
@@ -690,7 +687,7 @@ def _transpose_kernel(
     plgpu.BlockSpec(
       (TILE_C, TILE_C),
       lambda s: (s, 0),
-      transforms=F8_TILES if scaled else _BF16_TILES,
+      transforms=F8_TILES if scaled else mosaic.TILES,
     )
   ]
   args = [x_gmem.at[run, pl.ds(ct * TILE_C, TILE_C)]]
@@ -733,7 +730,7 @@ def transpose_quantize_mgpu(
   )
   eye = jnp.eye(TILE_C, dtype=dtype)
   sx = sx_Cr.astype(jnp.float32) if scaled else jnp.zeros((1, 1), jnp.float32)
-  tiles = F8_TILES if scaled else _BF16_TILES
+  tiles = F8_TILES if scaled else mosaic.TILES
   return plgpu.kernel(
     kernel,
     out_type=(

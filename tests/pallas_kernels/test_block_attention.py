@@ -105,6 +105,28 @@ def test_block32_causal_fused_rope_interpret():
   )
 
 
+def test_rope_f32_setting_picks_the_rotation_arithmetic():
+  # `BlockSizes.rope_f32` reaches the kernel: the forward rotates Q and K
+  # in f32 or in the input dtype (default), whose outputs differ by the
+  # second rounding of the rotated rows, the f32 ones nearer the
+  # reference; both within the bf16 tolerance.
+  off = cases.offsets([70, 9])
+  t = int(off[-1]) + 3
+  q, k, v, _ = cases.inputs(6, t, t, 2, 1, 128, jnp.bfloat16)
+  with jax.default_matmul_precision("highest"):
+    want = block_attention_reference(
+      *(x.astype(jnp.float32) for x in (q, k, v)), off, rope=1e4
+    )
+  errs, outs = {}, {}
+  for f32 in (True, False):
+    bs = dataclasses.replace(SMALL, rope_f32=f32)
+    o = block_attention_mosaic(q, k, v, off, rope=1e4, block_sizes=bs)
+    outs[f32] = np.asarray(o, np.float32)
+    errs[f32] = cases.rel_err(outs[f32], np.asarray(want))
+  assert not np.array_equal(outs[True], outs[False])
+  assert errs[True] < errs[False] < cases.REL_TOL[jnp.bfloat16]
+
+
 def test_block32_causal_odd_group_interpret():
   # Blocks of 32 (two per 64-row tile, block-diagonal mask), causal, fp16,
   # 3 query heads per KV head (uneven split over the warpgroups), head dim
