@@ -181,7 +181,7 @@ F, FB = ("fwd",), ("fwd", "bwd")
 # D=512. Run 4 (this list): the 3% is the 2 stages (2, 3, 4 or 6 output
 # slots alike; 3 or 4 stages slower), now the forward's default; direct
 # loads at D=2048 -1% again; PDL slows the D=512 backward by 2.4% (now off
-# there). 2026-12-01 (.notes/dev/s9_rms*.py): over rows of 2-4 KiB, direct
+# there). 2026-12-01 (a development run): over rows of 2-4 KiB, direct
 # loads with 2 warps per row, 8 KiB tiles and 2 blocks per SM, now the
 # forward's default there (`mosaic_gpu._wide_rows`).
 VARIANTS = {

@@ -90,7 +90,7 @@ dK and dV in registers (the GQA reduction stays in the kernel, O7).
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
 
-Where the forward's time goes (H200, 2026-12-01, .notes/dev/s10_blk.py:
+Where the forward's time goes (H200, 2026-12-01, a development run on
 the benchmark's batches, four input sets per timed call, per set, timed in
 alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
 (72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
@@ -101,12 +101,12 @@ instructions, counted from the code, not read from SASS), on the
 consumers' critical path. Rotating in the input dtype instead is now the
 default (`BlockSizes.rope_f32` has its figures). The kernel before,
 rotating at sequence positions with the next query rotated while P V
-ran, measured 124.6 / 89.3 us with RoPE in session 9's run
-(.notes/dev/s9_blk.py, not timed in alternation with these).
+ran, measured 124.6 / 89.3 us with RoPE in an earlier run
+(2026-11-30, not timed in alternation with these).
 Moving every register pass (K, V and each query head, RoPE included) to
 a fourth warpgroup that fills tiled buffers for the two attention
 warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
-no spills) measured slower in the same process (.notes/dev/s10_blk2.py,
+no spills) measured slower in the same process (a development run,
 2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4
 against 98.1 us with RoPE left out: one warpgroup doing the passes one
 after another starves the two that wait on it.
@@ -146,7 +146,7 @@ class BlockSizes:
   input dtype, with no conversions to and from f32 around the arithmetic.
   The backward rotates as the forward did, so the scores it recomputes are
   the forward's; its un-rotation of the f32 dQ and dK stays f32. On the
-  H200 (.notes/dev/s11_blk_rope.py, 2026-12-01, per set, timed in
+  H200 (a development run, 2026-12-01, per set, timed in
   alternation) the input dtype ran the forward in 98.5 against 106.3 us at
   all-2,048 and 63.2 against 78.5 us log-normal (93.9 / 56.2 with RoPE
   left out); forward+backward 578.8 against 575.6 us at all-2,048 (the

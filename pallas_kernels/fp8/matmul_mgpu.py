@@ -141,11 +141,12 @@ class BlockSizes:
 
 
 # The configuration `op.py` uses, per scale block `kb` (H200 sweep at
-# 16384 x 4096 x 4096, .notes/fp8.md): for kb = 128, warpgroups side by side
-# along N (a 64 x 256 CTA tile) and two CTAs along M sharing the weight tile
-# by multicast: 1091 TFLOP/s against 1061 for 128 x 128 CTAs without a
-# cluster (both with the folded weight scale; 876 without it). For kb = 32
-# the cluster lost (372 vs 401): the promotion, not L2, bounds it.
+# 16384 x 4096 x 4096, `benchmarks/fp8_matmul.py --sweep-only`): for kb =
+# 128, warpgroups side by side along N (a 64 x 256 CTA tile) and two CTAs
+# along M sharing the weight tile by multicast: 1091 TFLOP/s against 1061
+# for 128 x 128 CTAs without a cluster (both with the folded weight scale;
+# 876 without it). For kb = 32 the cluster lost (372 vs 401): the
+# promotion, not L2, bounds it.
 DEFAULT_BLOCK_SIZES = {
   128: BlockSizes(wg_dimension=Dim.N, cluster_dimension=Dim.M),
   64: BlockSizes(),
@@ -438,7 +439,7 @@ def _kernel(
 @dataclasses.dataclass(frozen=True)
 class QuantizingBlockSizes:
   """Tiles and rings of `quantizing_matmul_mgpu`; the defaults are the
-  H200 sweep's best (.notes/fp8.md, session 7). The CTA tile is
+  H200 sweep's best (a development sweep). The CTA tile is
   `tile_m x 2 tile_n` (the two compute warpgroups side by side along N,
   sharing the quantized `a` tile), one k-block of 128 per step.
   `stages_a`: bf16 `a` tiles in flight per quantizer (TMA -> quantizer),

@@ -60,15 +60,14 @@ from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
 
-# The default on Hopper: DeepSeek-style 1x128 / 128x128 blocks. Measured on
-# the H200 (.notes/fp8.md), its kernel runs at 1036-1091 TFLOP/s against
-# ~400 for MXFP8's 32x32 blocks (Hopper has no block-scaled MMA, so the
-# scales are applied after every block of the contraction: 4x less often
-# with 128, and a 128x128 weight scale folds into the row scales),
-# at the same error (3.79% vs f32 on random data, both). MXFP8
-# (format="mxfp8") stays available: its square blocks let the backward reuse
-# a tensor transposed, which matters for FP8 weight gradients and on GPUs
-# with native MX scaling.
+# The default on Hopper: DeepSeek-style 1x128 / 128x128 blocks. Measured on the
+# H200 (`benchmarks/fp8_matmul.py --sweep-only`), its kernel runs at 1036-1091
+# TFLOP/s against ~400 for MXFP8's 32x32 blocks (Hopper has no block-scaled MMA,
+# so the scales are applied after every block of the contraction: 4x less often
+# with 128, and a 128x128 weight scale folds into the row scales), at the same
+# error (3.79% vs f32 on random data, both). MXFP8 (format="mxfp8") stays
+# available: its square blocks let the backward reuse a tensor transposed, which
+# matters for FP8 weight gradients and on GPUs with native MX scaling.
 DEFAULT_FORMAT = "deepseek"
 
 # ---------------------------------------------------------------------------

@@ -65,7 +65,7 @@ Transposed (`transpose_quantize_mgpu`, the FP8 weight gradient's operands
 with 1x128 activations: `x^T` quantized along the rows of `x`): the tile
 is transposed by the tensor cores (the identity times the tile read
 transposed, exact), from bf16 or from e4m3 values with their scales. On
-the H200 (.notes/dev/s9_tq.py, 2026-11-30, three inputs per timed call)
+the H200 (a development run, 2026-11-30, three inputs per timed call)
 at 16384 x 4096 / 65536 x 2048 / 65536 x 512: from bf16 80 / 137 / 51 us
 (0.62 / 0.72 / 0.48 of copy) against 132 / 254 / 69 us for an XLA
 transpose then `quantize_mgpu`; from e4m3 54 / 95 / 33 us against 119 /
@@ -86,7 +86,7 @@ from pallas_kernels.fp8 import format as fmt
 TILE_R = 64
 TILE_C = 128
 # Default configurations (see `quantize_mgpu`), from the H200 sweep at
-# 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`, .notes/fp8.md;
+# 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`;
 # fraction of the copy bandwidth, 30 queued calls, single samples, +-5%):
 #   1x128:        ring, 2 CTAs of 1 warpgroup per SM, 128-row tiles,
 #                 2 stages: 0.82 (grid form 0.80, other rings 0.73-0.80)

@@ -447,7 +447,7 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
   writes an f32 partial that XLA adds, so parts cost traffic, and past
   `MAX_KV_SPLIT` they cost more than they spread: H200, pooled (16 queries
   over 32 log-normal histories: 72 tiles bound, 132 workers), timed in
-  alternation with cuDNN (.notes/dev/s11_pooled3.py, 2026-12-01), forward
+  alternation with cuDNN (a development run, 2026-12-01), forward
   35.3 / 30.3 / 33.3 us a set with 4 / 3 / 2 parts (2 K/V stages, the
   default; 3 stages: 34.2 / 29.9 / 31.9), forward+backward (whose dQ
   kernel splits alike) 109.4 with 4 parts and 2 stages, 95.4 / 102.7 with

@@ -96,7 +96,8 @@ kernels (dQ, which also forms delta; dK/dV) each recompute `S` and `P`: 7
 passes. In every backward step two wgmmas are in flight per wait
 (`BlockSizes.bwd_pipeline`): `S` and `dP` issued together with the exp
 between, then `dV` and `dK` together with dS's store (and the fused dQ)
-behind them. Measured numbers are in .notes/jagged_attention.md.
+behind them. Measured numbers: BENCHMARKS.md (`benchmarks/jagged_attention.py`,
+whose --breakdown times the kernels alone).
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
@@ -120,7 +121,7 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes; defaults tuned on H200 (see .notes/jagged_attention.md)."""
+  """Tile sizes; defaults tuned on the H200 (`default` says how)."""
 
   block_q: int = 64  # query rows per consumer warpgroup (all kernels)
   block_kv: int = 128  # key rows per step, forward
@@ -153,7 +154,7 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Measured on the H200 (.notes/jagged_attention.md, sessions 4-6): the
+    """Measured on the H200 (development runs): the
     fused backward is 5% faster than the two-kernel one at head dim 64 and
     7-9% slower at 128 (23% slower with both persistent, session 6), so 128
     keeps the dQ kernel (64-key steps: a 128-key ring does not fit beside

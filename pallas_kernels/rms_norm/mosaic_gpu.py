@@ -66,12 +66,11 @@ bandwidth, 2.6x / 3.0x XLA's fused VJP; the forward at 91.0% / 92.0% of copy,
 reads and here a written byte costs more than a read one: the same pipeline
 copying x -> y without compute reaches 91% of XLA's copy, the backward (3
 reads, 1 write) 99%. Variants that did not pay: 2 blocks per SM and
-32 KiB tiles (`num_blocks`, `tile_bytes`), and two that were removed
-after measuring ~1% slower (.notes/rms_norm.md, run 4): L2 evict_first
+32 KiB tiles (`num_blocks`, `tile_bytes`), and two that were removed after
+measuring ~1% slower (H200, `benchmarks/rms_norm.py --variants`): L2 evict_first
 bulk stores and contiguous tile runs per block. Over rows of 2-4 KiB the
-forward's default is registers straight from global memory, 2 warps per
-row and 2 blocks per SM instead (`_wide_rows`: 2% faster at D=2048, 7% at
-D=1024).
+forward's default is registers straight from global memory, 2 warps per row and
+2 blocks per SM instead (`_wide_rows`: 2% faster at D=2048, 7% at D=1024).
 
 Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two

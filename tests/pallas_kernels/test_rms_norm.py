@@ -185,9 +185,10 @@ def test_balanced_rows_fill_the_last_wave():
 
 
 def test_default_pipeline_settings():
-  """The measured defaults (H200 runs 3-4, .notes): the plain forward keeps
-  2 input stages and 4 output slots with PDL; the backward and the forward
-  with FP8 output keep 4 stages and 2 slots, the backward without PDL."""
+  """The measured defaults (H200, `benchmarks/rms_norm.py --variants`):
+  the plain forward keeps 2 input stages and 4 output slots with PDL; the
+  backward and the forward with FP8 output keep 4 stages and 2 slots, the
+  backward without PDL."""
 
   def cfg(bwd, quantize=False):
     return mosaic_gpu.make_config(
