@@ -1053,6 +1053,23 @@ def backward_dkv(
 # dQ from the dK/dV kernel's dS^T tiles (short keys).
 
 
+def _ds_ring(bs, hpc: int, h: int, out_bytes: int, full: bool) -> int:
+  """Ring depth of `dq_from_ds`: `kv_stages + 2` slots of (K tile, `hpc`
+  `dS^T` tiles), fewer (down to 2) where they would not fit beside the
+  output buffers (as `query_layout` counts: 1 KiB for the barriers).
+  Raises if even 2 do not fit."""
+  slot = (DS_ROWS * h + hpc * DS_ROWS * bs.block_q) * 2
+  out = hpc * bs.block_q * h * (out_bytes + (2 if full else 0))
+  for mcs in range(bs.kv_stages + 2, 1, -1):
+    if mcs * slot + out + 1024 <= mosaic.SMEM_PER_BLOCK:
+      return mcs
+  raise ValueError(
+    f"dQ from dS^T: head dim {h} with {hpc} heads per CTA needs "
+    f"{2 * slot + out + 1024} B of shared memory for a 2-slot ring, over "
+    f"{mosaic.SMEM_PER_BLOCK}"
+  )
+
+
 def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   """dQ `[t, n, h]` = sum over the sequence's 64-row key tiles of
   `dS^T[tile]^T K[tile]` (`ds` from `backward_dkv(..., ds_tiles)`, scale
@@ -1064,8 +1081,9 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   query tile, head and key tile) and K. Persistent CTAs as in the
   forward (same work table; `items`: `query_items` with 64-row key
   tiles), `hpc` consumer warpgroups (one query head each, sharing the K
-  tile) and a producer filling a ring of `kv_stages + 2` slots of (K,
-  `dS^T` per head); keys are not kept resident (K tiles come from L2).
+  tile) and a producer filling a ring of (K, `dS^T` per head) slots, the
+  deepest that fits shared memory up to `kv_stages + 2` (`_ds_ring`); keys
+  are not kept resident (K tiles come from L2).
   `k_side`: `side_tiles(k, kv_offsets, 64)`, so key rows outside the
   sequence are zero and the (finite) `dS^T` rows there add nothing.
   """
@@ -1075,7 +1093,6 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   group = n // kh
   bs = static.block_sizes
   bq, bkv = bs.block_q, DS_ROWS
-  mcs = bs.kv_stages + 2
   parts = kv_parts(
     dataclasses.replace(bs, block_kv=bkv),
     items.shape[0],
@@ -1086,6 +1103,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   out_dtype = jnp.float32 if parts > 1 else dtype
   hpc = 2 if group % 2 == 0 else 1
   full = bs.full_store and out_dtype == dtype
+  mcs = _ds_ring(bs, hpc, h, jnp.dtype(out_dtype).itemsize, full)
   workers, wt, counts = _deal_query_table(
     items, num_real, parts, n // hpc, bs, 0
   )

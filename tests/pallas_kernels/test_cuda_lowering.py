@@ -17,6 +17,7 @@ from jax import export
 
 from pallas_kernels.block_attention.op import block_attention_mosaic
 from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.gdpa import mosaic_gpu as gdpa_mg
 from pallas_kernels.gdpa.op import gdpa_mosaic
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.rms_norm.op import rms_norm_mosaic
@@ -82,6 +83,21 @@ def test_gdpa(shape):
   f = lambda q, k, v, qo, ko: gdpa_mosaic(
     q, k, v, qo, ko, interpret=False, **kw
   )  # forward, dQ, dK/dV
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
+
+
+def test_gdpa_dq_from_ds_deep_ring():
+  """`kv_stages=4` asks for a 6-slot dS^T ring in the dQ-from-dS^T kernel,
+  which does not fit beside its f32 split-K output buffers at head dim
+  128 (262,240 B): the kernel takes the deepest ring that fits instead of
+  failing in Mosaic's compile."""
+  q, k = _spec((B * L, N, 128)), _spec((B * 256, KH, 128))
+  bs = gdpa_mg.BlockSizes(kv_stages=4)
+  assert gdpa_mg._ds_ring(bs, 2, 128, 4, False) == 5
+  f = lambda q, k, v, qo, ko: gdpa_mosaic(
+    q, k, v, qo, ko, activation="gelu_tanh", max_len_kv=256,
+    block_sizes=bs, interpret=False,
+  )  # fmt: skip
   _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
 
 
