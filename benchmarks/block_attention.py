@@ -14,9 +14,13 @@ In one process:
   gather is made outside the timed call, zero-padded last blocks with
   per-block lengths), XLA RoPE on that layout inside the timed call, then
   `jax.nn.dot_product_attention(implementation="cudnn")`;
-- sliding window (window 64 each side, the seed's previous step): the XLA
-  banded implementation `sliding_window_reference` (cuDNN rejects a
-  non-causal (64, 64) window, BASELINES.md), RoPE included.
+- sliding window (window 64 each side, the seed's previous step, RoPE
+  included): `sliding_window_attention`, XLA RoPE then our jagged
+  attention kernel with its `window` (each 64-row query tile visits only
+  the key tiles its rows' windows reach); and the XLA banded implementation
+  `sliding_window_reference` as `sliding_window_xla` (cuDNN rejects a
+  non-causal (64, 64) window, BASELINES.md). The window kernel's forward
+  and gradients are checked against the f32 banded reference first.
 Useful FLOPs (`4 n h` per real query-key pair; x3.5 forward+backward) are
 counted per op, so "useful TFLOP/s" is MFU-like (the seed's +44% over the
 sliding window is an MFU ratio). The op is memory-bound, so the forward is
@@ -44,7 +48,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from pallas_kernels.block_attention.op import block_attention_mosaic
+from pallas_kernels.block_attention.op import (
+  block_attention_mosaic,
+  sliding_window_attention,
+)
 from pallas_kernels.block_attention.reference import (
   block_attention_reference,
   rope_reference,
@@ -146,6 +153,18 @@ def run_case(mix, rng, records, bw):
     )
 
   def sliding(q, k, v):
+    return sliding_window_attention(
+      q,
+      k,
+      v,
+      off_j,
+      window=WINDOW,
+      rope=THETA,
+      max_len=LMAX,
+      implementation="mosaic",
+    )
+
+  def sliding_xla(q, k, v):
     return sliding_window_reference(
       q, k, v, off_j, window=WINDOW, rope=THETA, max_len=LMAX
     )
@@ -182,11 +201,13 @@ def run_case(mix, rng, records, bw):
     MAX_REL_ERR,
   )
 
+  sliding_ok = check_sliding(mix, sliding, sliding_xla, sets[0], records)
   times = {}
   for name, fn, args in (
     *([("mosaic", ours, sets)] if errs is not None else []),
     ("cudnn_blocks", cudnn_blocks, blocked),
-    ("sliding_window", sliding, sets),
+    *([("sliding_window", sliding, sets)] if sliding_ok else []),
+    ("sliding_window_xla", sliding_xla, sets),
   ):
     for kind, f in (
       ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
@@ -199,7 +220,7 @@ def run_case(mix, rng, records, bw):
 
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0
-    op_flops = flops["window" if impl == "sliding_window" else "block"]
+    op_flops = flops["window" if impl.startswith("sliding") else "block"]
     tf = op_flops * mult / sec / 1e12
     print(
       f"{mix:10s} {impl:15s} {kind:7s} {sec * 1e3:8.3f} ms "
@@ -288,6 +309,40 @@ def run_case(mix, rng, records, bw):
         ratio=frac,
       )
     )
+
+
+def check_sliding(mix, sliding, sliding_xla, inputs, records) -> bool:
+  """Our sliding window (the jagged kernel's `window`) against the banded
+  XLA one in f32, forward and gradients; records the errors. False (and
+  the baseline is not timed) when it fails or misses the bound."""
+  q, k, v, do = inputs
+  try:
+    got = jax.jit(common.fwd_bwd(sliding))(q, k, v, do)
+    with jax.default_matmul_precision("highest"):
+      want = jax.jit(common.fwd_bwd(sliding_xla))(
+        *(x.astype(jnp.float32) for x in (q, k, v, do))
+      )
+  except Exception as e:  # noqa: BLE001 - report and go on
+    print(f"{mix}: SLIDING WINDOW FAILED: {type(e).__name__}: {e}"[:3000])
+    return False
+  errs = {
+    n: common.rel_err(g, w)
+    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
+  }
+  print(f"{mix}: sliding window rel err {errs}", flush=True)
+  for name, err in errs.items():
+    records.append(
+      common.record(
+        "block_attention",
+        mix,
+        "sliding_window",
+        f"rel_err_{name}",
+        err,
+        goal=MAX_REL_ERR,
+        lower_is_better=True,
+      )
+    )
+  return max(errs.values()) < MAX_REL_ERR
 
 
 def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):

@@ -68,7 +68,8 @@ class ModelConfig:
   # Attention kinds (pallas_kernels), each selectable by config. SeqFormer
   # self-attention: "softmax" (jagged flash attention, G1), "block" (softmax
   # inside `block_size`-position blocks, RoPE fused, G3) or "sliding" (keys
-  # within `sliding_window` positions, XLA; the seed's intermediate step).
+  # within `sliding_window` positions, the jagged kernel's window; the
+  # seed's intermediate step).
   seq_attention: str = "softmax"
   block_size: int = 64  # 32, 64 or 128
   sliding_window: int = 64

@@ -17,8 +17,8 @@ replace the references without model changes. `kind` picks the op
 (`jagged_attention`, G1), "gdpa" (activation attention, G2: no softmax, for
 candidates over a short or long history), "block" (softmax inside fixed
 blocks, G3; RoPE applied inside the op) or "sliding" (a window of positions,
-the seed's intermediate step; XLA). "block" and "sliding" are
-self-attention only.
+the seed's intermediate step: the jagged kernel's `window`). "block" and
+"sliding" are self-attention only.
 FP8 (G4, `fp8=` settings): the Q/K/V/O projections are `Fp8Dense`; `x_q`
 and `x_kv` may then be `Fp8Tensor`s from a quantizing norm (quantized once,
 read by all three input projections).
@@ -133,7 +133,13 @@ class Attention(nnx.Module):
         )
       else:
         o_tnh = pallas_kernels.sliding_window_attention(
-          q_tnh, k_skh, v_skh, q_offsets, window=self.window, **kw
+          q_tnh,
+          k_skh,
+          v_skh,
+          q_offsets,
+          window=self.window,
+          implementation=self.implementation,
+          **kw,
         )
       return self.o(o_tnh.reshape(t, self.n * self.h))
     if q_pos is not None:

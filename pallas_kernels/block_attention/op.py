@@ -19,12 +19,17 @@ from pallas_kernels import dispatch
 from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
+  _prepare,
   block_attention_reference,
   positions,
   rope_reference,
   sliding_window_reference,
 )
-from pallas_kernels.jagged_attention.reference import check_offsets
+from pallas_kernels.jagged_attention.op import jagged_attention
+from pallas_kernels.jagged_attention.reference import (
+  check_offsets,
+  check_window,
+)
 
 BlockSizes = mg.BlockSizes
 KERNEL_BLOCKS = (32, 64)
@@ -187,17 +192,39 @@ def sliding_window_attention(
   causal: bool = False,
   scale: float | None = None,
   max_len: int | None = None,
+  implementation: str | None = None,
 ):
-  """Sliding-window attention (`|p - j| <= window`), XLA only: the seed's
-  intermediate step and block attention's baseline."""
-  return sliding_window_reference(
+  """Sliding-window self-attention (`|p - j| <= window`), the seed's
+  intermediate step and block attention's baseline: RoPE (if `rope`) at
+  in-sequence positions in XLA, then `jagged_attention` with its `window`
+  (the Mosaic kernel on a GPU visits only the key tiles each query tile's
+  windows reach). `implementation="xla"` is the banded XLA formulation,
+  `sliding_window_reference`."""
+  if implementation == "xla":
+    return sliding_window_reference(
+      q_tnh,
+      k_tkh,
+      v_tkh,
+      offsets,
+      window=window,
+      rope=rope,
+      causal=causal,
+      scale=scale,
+      max_len=max_len,
+    )
+  check_window(window)
+  q_tnh, k_tkh, offsets, max_len = _prepare(
+    q_tnh, k_tkh, offsets, rope, max_len, "sliding_window"
+  )
+  return jagged_attention(
     q_tnh,
     k_tkh,
     v_tkh,
     offsets,
-    window=window,
-    rope=rope,
     causal=causal,
+    window=window,
     scale=scale,
-    max_len=max_len,
+    max_len_q=max_len,
+    max_len_kv=max_len,
+    implementation=implementation,
   )

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
+  check_window,
   from_padded,
   to_padded,
 )
@@ -141,13 +142,14 @@ def sliding_window_reference(
   max_len: int | None = None,
 ):
   """Softmax attention to the keys within `window` positions (docstring)."""
+  check_window(window)
   q_tnh, k_tkh, offsets, max_len = _prepare(
     q_tnh, k_tkh, offsets, rope, max_len, "sliding_window"
   )
   t, n, h = q_tnh.shape
   kh = k_tkh.shape[1]
   scale = h**-0.5 if scale is None else scale
-  w = window
+  w = max(window, 1)  # blocks of w rows; each sees its neighbours
   lp = -(-max_len // w) * w
   q_bl, valid_bl = to_padded(q_tnh, offsets, lp)
   k_bl, _ = to_padded(k_tkh, offsets, lp)
@@ -168,7 +170,7 @@ def sliding_window_reference(
   ok_n = neighbours(valid_bl)  # [b, c, 3w]
   s = scale * jnp.einsum("bcqkgh,bcjkh->bckgqj", q_b, k_n)
   dist = (jnp.arange(3 * w) - w)[None, :] - jnp.arange(w)[:, None]  # j - p
-  band = jnp.abs(dist) <= w
+  band = jnp.abs(dist) <= window
   if causal:
     band = band & (dist <= 0)
   mask = ok_n[:, :, None, None, None, :] & band

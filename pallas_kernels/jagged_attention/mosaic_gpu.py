@@ -174,6 +174,7 @@ class _Static:
   scale: float
   block_sizes: BlockSizes
   interpret: object  # None (compile) or plgpu.InterpretGPUParams
+  window: int | None = None  # sliding window (positions each side)
 
 
 # --------------------------------------------------------------------------
@@ -189,14 +190,32 @@ def seq_tables(offsets, capacity, other_offsets):
   return off, other
 
 
-def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
+def window_key_range(q_pos, lo, hi, kv_len, kv_lead, bkv, causal, window):
+  """(first, count) of the `bkv`-row key tiles (on the sequence's aligned
+  key grid) that hold a key some valid row `[lo, hi)` of a query tile sees
+  through a sliding window of `window` positions each side (and the causal
+  mask); count 0 when none does."""
+  first_pos = jnp.maximum(q_pos + lo - window, 0)
+  last_pos = jnp.minimum(q_pos + hi - 1 + window, kv_len - 1)
+  if causal:
+    last_pos = jnp.minimum(last_pos, q_pos + hi - 1)
+  first = lax.div(first_pos + kv_lead, bkv)
+  end = lax.div(jnp.maximum(last_pos, 0) + kv_lead, bkv) + 1
+  ok = (hi > lo) & (last_pos >= first_pos)
+  return first, jnp.where(ok, end - first, 0)
+
+
+def query_items(
+  q_offsets, kv_offsets, t, *, block_q, block_kv, causal, window=None
+):
   """Items of the forward and dQ kernels: one per 64-row query tile.
 
-  Returns (`int32[i, 11]` table, schedule). Columns: 0 first packed row of
+  Returns (`int32[i, 12]` table, schedule). Columns: 0 first packed row of
   the (aligned) query tile, 1-2 its valid rows `[lo, hi)`, 3 position of tile
   row 0 in its sequence (negative in the lead rows), 4 first packed row of
   the sequence's aligned key grid, 5 key length, 6 key lead rows, 7 key
-  tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id.
+  tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id, 11 first
+  key tile visited (0 unless `window`: `window_key_range`).
   """
   q_off, kv_off = seq_tables(q_offsets, t, kv_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -212,13 +231,18 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
     lo = jnp.clip(-q_pos, 0, block_q)
     hi = jnp.clip(q_len_b[seq] - q_pos, 0, block_q)
     total = kv_total_b[seq]
-    if causal:
+    first = jnp.zeros_like(tile)
+    if window is not None:
+      first, steps = window_key_range(
+        q_pos, lo, hi, kv_len_b[seq], kv_lead_b[seq], block_kv, causal, window
+      )
+    elif causal:
       last = q_pos + hi - 1  # position of the last valid row
       steps = jnp.minimum(total, (last + kv_lead_b[seq]) // block_kv + 1)
       steps = jnp.where(hi > lo, jnp.maximum(steps, 0), 0)
     else:
       steps = total
-    return q_pos, lo, hi, steps
+    return q_pos, lo, hi, steps, first
 
   sched = schedule.jagged_tile_schedule(
     q_offsets,
@@ -228,7 +252,7 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
     cost=lambda s, i: geometry(s, i)[3] + 1,
   )
   seq, tile = sched.seq_i, sched.tile_i
-  q_pos, lo, hi, steps = geometry(seq, tile)
+  q_pos, lo, hi, steps, first = geometry(seq, tile)
   valid = sched.valid_i
   table = jnp.stack(
     [
@@ -243,6 +267,7 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
       kv_total_b[seq],
       seq,
       sched.tile_id_i,
+      first,
     ],
     axis=1,
   ).astype(jnp.int32)
@@ -250,7 +275,15 @@ def query_items(q_offsets, kv_offsets, t, *, block_q, block_kv, causal):
 
 
 def key_items(
-  q_offsets, kv_offsets, s, q_tile_start_b, *, block_q, block_kv, causal
+  q_offsets,
+  kv_offsets,
+  s,
+  q_tile_start_b,
+  *,
+  block_q,
+  block_kv,
+  causal,
+  window=None,
 ):
   """Items of the dK/dV kernel: one per `block_kv`-row key tile.
 
@@ -258,9 +291,10 @@ def key_items(
   `[lo, hi)`, 3 position of tile row 0, 4 first packed row of the sequence's
   aligned query grid, 5 query lead rows, 6 first query tile visited, 7 query
   tiles visited per head, 8 how many of those (from the first) need the
-  causal mask, 9 forward tile id of the sequence's query tile 0, 10
-  sequence, 11 tile index in the sequence's key grid, 12 tiles in that grid
-  (the fused backward loads the first and last from the side tiles).
+  causal mask (with `window`: all of them, the window's), 9 forward tile id
+  of the sequence's query tile 0, 10 sequence, 11 tile index in the
+  sequence's key grid, 12 tiles in that grid (the fused backward loads the
+  first and last from the side tiles).
   """
   kv_off, q_off = seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -276,6 +310,18 @@ def key_items(
     hi = jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv)
     n_q = n_q_b[seq]
     lead = q_lead_b[seq]
+    if window is not None:
+      # Query rows within `window` positions of a valid key (and at or
+      # after the first, causal); every step masked.
+      first_pos = jnp.maximum(kv_pos + lo - window, 0)
+      if causal:
+        first_pos = jnp.maximum(first_pos, kv_pos + lo)
+      last_pos = jnp.minimum(kv_pos + hi - 1 + window, q_len_b[seq] - 1)
+      first = jnp.clip(lax.div(first_pos + lead, block_q), 0, n_q)
+      end = lax.div(jnp.maximum(last_pos, 0) + lead, block_q) + 1
+      ok = (hi > lo) & (last_pos >= first_pos)
+      steps = jnp.where(ok, jnp.clip(end, first, n_q) - first, 0)
+      return kv_pos, lo, hi, first, steps, steps
     if causal:
       # First query tile holding a position >= this tile's first key; tiles
       # starting before its last key need the mask.
@@ -348,14 +394,29 @@ def _heads_per_cta(n, kh):
 
 
 def _load_query_item(items_ref, it):
-  return [items_ref[it, f] for f in range(11)]
+  return [items_ref[it, f] for f in range(12)]
 
 
-def _key_loop(step, carry, kv_steps, causal, first_row, bkv):
+def _visible(q_at, k_at, causal: bool, window: int | None):
+  """Which (query, key) position pairs the causal mask and the sliding
+  window keep."""
+  ok = q_at >= k_at if causal else None
+  if window is not None:
+    d = q_at - k_at
+    near = (d <= window) & (d >= -window)
+    ok = near if ok is None else ok & near
+  return ok
+
+
+def _key_loop(step, carry, kv_steps, causal, first_row, bkv, window=None):
   """`step(i, carry, masked=...)` over a query tile's key tiles
   `[0, kv_steps)`. Causal: key tiles wholly at key-grid positions `<=
   first_row` (the tile's first valid query row) need no mask, the rest
-  (the diagonal) do; otherwise none is masked."""
+  (the diagonal) do; with a window all are masked; otherwise none is."""
+  if window is not None:
+    return lax.fori_loop(
+      0, kv_steps, functools.partial(step, masked=True), carry
+    )
   if not causal:
     return lax.fori_loop(
       0, kv_steps, functools.partial(step, masked=False), carry
@@ -437,7 +498,7 @@ def _kv_producer(
   the key/value tiles of this worker's `n_items` items into the ring, then
   observe the consumers' last releases. `item(j)` -> (the `query_items`
   fields of item `j`, whether it has rows, its key steps, the key tiles
-  of its sequence's grid).
+  of its sequence's grid, its first key step or None for 0).
   The ring runs on across items (global step `g` = steps of the earlier
   items + `i`), so the next item's first tiles load while the consumers
   finish the current one; slot `g % mcs` is reused once its consumers
@@ -445,13 +506,14 @@ def _kv_producer(
   k_free, v_free = free
 
   def body(j, base):
-    fields, _, kv_steps, kv_grid = item(j)
+    fields, _, kv_steps, kv_grid, first = item(j)
     kv_item = (fields[4], kv_steps, kv_grid, fields[9])
 
     @pl.loop(0, kv_steps)
     def _(i):
       g = base + i
       slot = lax.rem(g, mcs)
+      tile = i if first is None else first + i
       for ref, side, dst, bar, rel in zip(
         refs, sides, smem, bars, free, strict=True
       ):
@@ -461,7 +523,15 @@ def _kv_producer(
           plgpu.barrier_wait(rel.at[slot])
 
         load_kv_tile(
-          ref, side, dst.at[slot], bar.at[slot], i, kv_item, bkv, kv_head, split
+          ref,
+          side,
+          dst.at[slot],
+          bar.at[slot],
+          tile,
+          kv_item,
+          bkv,
+          kv_head,
+          split,
         )
 
     return base + kv_steps
@@ -507,7 +577,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   bs = static.block_sizes
   bq, bkv, mcs = bs.block_q, bs.block_kv, bs.max_concurrent_steps
   num_items = items.shape[0]
-  causal = static.causal
+  causal, window = static.causal, static.window
   c = static.scale * LOG2E
   workers, dealt, counts = _deal_items(items, n // hpc, bs.persistent, bs)
 
@@ -536,9 +606,11 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
       fields = _load_query_item(items_ref, it)
       # Steps of this item: 0 when it has no valid rows (skipped); its
-      # sequence's key tiles (the side tiles' first and last).
+      # sequence's key tiles (the side tiles' first and last); its first.
       hi_lo = fields[2] > fields[1]
-      return fields, hi_lo, jnp.where(hi_lo, fields[7], 0), fields[8]
+      first = fields[11] if window is not None else None
+      steps = jnp.where(hi_lo, fields[7], 0)
+      return fields, hi_lo, steps, fields[8], first
 
     def sched():
       if hpc == 2:
@@ -555,7 +627,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       def load_q(j):
         """Item j's Q tile into this warpgroup's buffer; issued once the
         previous item's last Q K^T wgmma has read it."""
-        (q_row, *_), _, _, _ = item(j)
+        (q_row, *_), *_ = item(j)
 
         @pl.when(j < n_items)
         def _():
@@ -569,8 +641,8 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       load_q(0)
 
       def body(j, base):
-        fields, hi_lo, kv_steps, _ = item(j)
-        (q_row, lo, hi, q_pos, _, kv_len, kv_lead, _, _, _, tile_id) = fields
+        fields, hi_lo, kv_steps, _, first = item(j)
+        (q_row, lo, hi, q_pos, _, kv_len, kv_lead, *_, tile_id, _) = fields
         plgpu.barrier_wait(q_bar.at[wg])
 
         @pl.when(hi_lo)
@@ -606,12 +678,21 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             # Last read of this item's Q: prefetch the next item's.
             pl.when(i == kv_steps - 1)(lambda: load_q(j + 1))
             if masked:
+              kt = i if first is None else first + i
               q_at = mosaic.iota((bq, bkv), 0) + q_pos
-              k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
-              qk = mosaic.select(q_at >= k_at, qk, -jnp.inf)
+              k_at = mosaic.iota((bq, bkv), 1) + (kt * bkv - kv_lead)
+              ok = _visible(q_at, k_at, causal, window)
+              if window is not None:
+                # Keys outside the sequence are masked too (no surplus
+                # terms to subtract); a row may see no key of this tile.
+                ok = ok & (k_at >= 0) & (k_at < kv_len)
+              qk = mosaic.select(ok, qk, -jnp.inf)
             m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
-            alpha = jnp.exp2(m_i - m_ij)
-            p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            m_use = m_ij
+            if window is not None:  # exp2(-inf - -inf) would be NaN
+              m_use = mosaic.select(m_ij == -jnp.inf, 0.0, m_ij)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -639,7 +720,13 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             return acc, m_ij, l_i
 
           acc, m_i, l_i = _key_loop(
-            step, (acc, m_i, l_i), kv_steps, causal, q_pos + lo + kv_lead, bkv
+            step,
+            (acc, m_i, l_i),
+            kv_steps,
+            causal,
+            q_pos + lo + kv_lead,
+            bkv,
+            window,
           )
           pl.when(wg == 0)(sched)
 
@@ -647,7 +734,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
           # [-lead, 0) and [kv_len, seen_end).
           seen_end = kv_steps * bkv - kv_lead
           rows = mosaic.row_iota(bq)
-          if causal:
+          if window is not None:  # zero-filled keys were masked
+            z = rows * 0
+          elif causal:
             after = jnp.clip(
               jnp.minimum(q_pos + rows + 1, seen_end) - kv_len, 0
             )
@@ -826,7 +915,7 @@ def backward_dq(
   if k_side.shape[2] != bs.block_kv:
     raise ValueError("dQ kernel: side tiles must be the forward's")
   num_items = items.shape[0]
-  causal = static.causal
+  causal, window = static.causal, static.window
   c = static.scale * LOG2E
   workers, dealt, counts = _deal_items(items, n // hpc, True, bs)
 
@@ -860,16 +949,21 @@ def backward_dq(
       rows) and the forward's key tiles of its sequence."""
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
       fields = _load_query_item(items_ref, it)
-      (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total, _, _) = fields
+      (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total) = fields[:9]
       hi_lo = hi > lo
-      if split > 1:  # steps of bkv keys (as `query_items` counts them)
+      first = fields[11] * split if window is not None else None
+      if split > 1 and window is not None:  # the window's bkv-key steps
+        first, kv_steps = window_key_range(
+          q_pos, lo, hi, kv_len, kv_lead, bkv, causal, window
+        )
+      elif split > 1:  # steps of bkv keys (as `query_items` counts them)
         kv_steps = jnp.where(
           kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0
         )
         if causal:
           last = jnp.maximum(q_pos + hi - 1 + kv_lead, 0)
           kv_steps = jnp.minimum(kv_steps, lax.div(last, bkv) + 1)
-      return fields, hi_lo, jnp.where(hi_lo, kv_steps, 0), kv_total
+      return fields, hi_lo, jnp.where(hi_lo, kv_steps, 0), kv_total, first
 
     @pl.when(wg < hpc)
     def _compute():
@@ -887,7 +981,7 @@ def backward_dq(
       def load_in(j):
         """Item j's Q, dO, O and lse tiles; issued once the previous item
         has read its own (last S / dP wgmma)."""
-        (q_row, *_, tile_id), _, _, _ = item(j)
+        (q_row, *_, tile_id, _), *_ = item(j)
 
         @pl.when(j < n_items)
         def _():
@@ -902,8 +996,8 @@ def backward_dq(
       load_in(0)
 
       def body(j, base):
-        fields, hi_lo, kv_steps, _ = item(j)
-        (q_row, lo, hi, q_pos, _, _, kv_lead, _, _, _, tile_id) = fields
+        fields, hi_lo, kv_steps, _, first = item(j)
+        (q_row, lo, hi, q_pos, _, _, kv_lead, *_, tile_id, _) = fields
         plgpu.barrier_wait(bar)
 
         @pl.when(hi_lo)
@@ -930,9 +1024,10 @@ def backward_dq(
             def probs(s):
               p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
               if masked:
+                kt = i if first is None else first + i
                 q_at = mosaic.iota((bq, bkv), 0) + q_pos
-                k_at = mosaic.iota((bq, bkv), 1) + (i * bkv - kv_lead)
-                p = mosaic.select(q_at >= k_at, p, 0.0)
+                k_at = mosaic.iota((bq, bkv), 1) + (kt * bkv - kv_lead)
+                p = mosaic.select(_visible(q_at, k_at, causal, window), p, 0.0)
               return p
 
             plgpu.barrier_wait(k_bar.at[slot])
@@ -957,7 +1052,9 @@ def backward_dq(
             mosaic.release(k_free.at[slot])
             return dq
 
-          dq = _key_loop(step, dq, kv_steps, causal, q_pos + lo + kv_lead, bkv)
+          dq = _key_loop(
+            step, dq, kv_steps, causal, q_pos + lo + kv_lead, bkv, window
+          )
           # dQ leaves through a plain (unswizzled) buffer that the ladder
           # store can slice at any row.
           out_smem[...] = (dq * static.scale).astype(dtype)
@@ -1264,7 +1361,8 @@ def backward_dkv(
             if masked:
               q_at = mosaic.iota((bkv, bq), 1) + (tile * bq - q_lead)
               k_at = mosaic.iota((bkv, bq), 0) + my_pos
-              pt = mosaic.select(q_at >= k_at, pt, 0.0)
+              ok = _visible(q_at, k_at, causal, static.window)
+              pt = mosaic.select(ok, pt, 0.0)
             return pt
 
           def grad_s(pt, dpt):
@@ -1315,7 +1413,7 @@ def backward_dkv(
           return dk, dv
 
         carry = (zeros, zeros)
-        if causal:
+        if causal or static.window is not None:
 
           def head_loop(gh, carry):
             j0 = gh * q_steps

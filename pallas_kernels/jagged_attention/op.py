@@ -16,6 +16,7 @@ from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
+  check_window,
   jagged_attention_reference,
 )
 
@@ -34,6 +35,7 @@ def _fwd(static, q, k, v, q_off, kv_off):
     block_q=bs.block_q,
     block_kv=bs.block_kv,
     causal=static.causal,
+    window=static.window,
   )
   k_side = mg.side_tiles(k, kv_off, bs.block_kv)
   v_side = mg.side_tiles(v, kv_off, bs.block_kv)
@@ -69,6 +71,7 @@ def _bwd(static, res, do):
     block_q=bs.block_q,
     block_kv=2 * bs.block_kv_dkv,
     causal=static.causal,
+    window=static.window,
   )
   if bs.fused_bwd:
     # The delta kernel, then dQ, dK, dV in one kernel; dQ accumulated in f32
@@ -99,6 +102,7 @@ def jagged_attention_mosaic(
   kv_offsets=None,
   *,
   causal: bool = False,
+  window: int | None = None,
   scale: float | None = None,
   max_len_q: int | None = None,
   max_len_kv: int | None = None,
@@ -107,10 +111,11 @@ def jagged_attention_mosaic(
 ):
   """Mosaic GPU jagged attention (Hopper); same contract as the reference.
 
-  `max_len_q` / `max_len_kv` are checked on concrete offsets (the work list
-  is bounded by the buffer capacity); without `causal`, a `max_len_q` below
-  one query tile folds a KV group's heads into rows
-  (`schedule.fold_factor`). `interpret=None` compiles on a GPU and runs GPU
+  `max_len_q` / `max_len_kv` are checked on concrete offsets (the work list is
+  bounded by the buffer capacity); without `causal`, a `max_len_q` below one
+  query tile folds a KV group's heads into rows (`schedule.fold_factor`).
+  `window`: each query tile visits only the key tiles its rows' windows reach,
+  all with the window's mask. `interpret=None` compiles on a GPU and runs GPU
   interpret mode elsewhere; `False` always compiles.
   """
   t, n, h = q_tnh.shape
@@ -133,6 +138,7 @@ def jagged_attention_mosaic(
     kv_offsets = q_offsets
   check_offsets(q_offsets, t, "q_offsets", max_len_q)
   check_offsets(kv_offsets, s, "kv_offsets", max_len_kv)
+  check_window(window)
   if interpret is None and jax.default_backend() != "gpu":
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:  # compile even off-GPU (cross-lowering checks)
@@ -143,6 +149,7 @@ def jagged_attention_mosaic(
     scale=float(h**-0.5 if scale is None else scale),
     block_sizes=bs,
     interpret=interpret,
+    window=window,
   )
   q_off = jnp.asarray(q_offsets, jnp.int32)
   kv_off = jnp.asarray(kv_offsets, jnp.int32)
@@ -153,8 +160,9 @@ def jagged_attention_mosaic(
     kh,
     max_len_q=max_len_q,
     block_q=bs.block_q,
-    # Rows are independent without the causal mask (which reads positions).
-    enabled=bs.fold_heads and not causal,
+    # Rows are independent without the causal mask or the window (which
+    # read positions).
+    enabled=bs.fold_heads and not causal and window is None,
   )
 
 
@@ -182,6 +190,7 @@ def jagged_attention(
   kv_offsets=None,
   *,
   causal: bool = False,
+  window: int | None = None,
   scale: float | None = None,
   max_len_q: int | None = None,
   max_len_kv: int | None = None,
@@ -195,6 +204,8 @@ def jagged_attention(
     q_offsets: `int32[b+1]` cumulative query lengths.
     kv_offsets: `int32[b+1]` cumulative key lengths; `None` = self-attention.
     causal: query position `p` sees key positions `<= p` of its sequence.
+    window: sliding window: position `p` sees key positions `j` with
+      `|p - j| <= window` (and `j <= p` if causal); None = all.
     scale: score scale, default `h ** -0.5`.
     max_len_q, max_len_kv: static upper bounds on one sequence's length.
     implementation: `None` (Mosaic GPU on a GPU for bf16/fp16 and head dim
@@ -212,6 +223,7 @@ def jagged_attention(
   return functools.partial(
     fn,
     causal=causal,
+    window=window,
     scale=scale,
     max_len_q=max_len_q,
     max_len_kv=max_len_kv,

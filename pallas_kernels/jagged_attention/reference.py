@@ -7,7 +7,9 @@ heads, `h` head dim.
 Each sequence `i` owns query rows `q_offsets[i]:q_offsets[i+1]` and key/value
 rows `kv_offsets[i]:kv_offsets[i+1]` of the packed buffers. Query row `p` (its
 position inside its sequence) sees key row `j` of the same sequence, and with
-`causal=True` only `j <= p`. Rows past `q_offsets[-1]` (buffer tail) and rows
+`causal=True` only `j <= p`, with `window=w` only `|p - j| <= w` (a sliding
+window: positions of the query and key sequences, counted from each one's
+first row). Rows past `q_offsets[-1]` (buffer tail) and rows
 that see no key (zero-length key sequence) get zeros and zero gradients.
 
 The reference gathers each sequence into a padded `[b, l, ...]` layout (the
@@ -51,6 +53,15 @@ def check_offsets(offsets, capacity: int, name: str, max_len: int | None):
       )
 
 
+def check_window(window):
+  """A sliding window is a static count of positions, `>= 0` (0: a row
+  sees only its own position)."""
+  if window is None:
+    return
+  if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    raise ValueError(f"window must be an int >= 0 or None, got {window!r}")
+
+
 def to_padded(x_t, offsets_b, max_len: int):
   """Packed `[t, ...]` -> (`[b, l, ...]` zero-padded, valid mask `[b, l]`)."""
   starts = offsets_b[:-1]
@@ -86,11 +97,13 @@ def jagged_attention_reference(
   kv_offsets=None,
   *,
   causal: bool = False,
+  window: int | None = None,
   scale: float | None = None,
   max_len_q: int | None = None,
   max_len_kv: int | None = None,
 ):
   """Softmax attention over packed jagged sequences (see module docstring)."""
+  check_window(window)
   t, n, h = q_tnh.shape
   s, kh, _ = k_skh.shape
   if n % kh:
@@ -121,8 +134,11 @@ def jagged_attention_reference(
     * scale
   )
   mask_blm = q_valid[:, :, None] & k_valid[:, None, :]
+  dist_lm = jnp.arange(max_len_q)[:, None] - jnp.arange(max_len_kv)  # p - j
   if causal:
-    mask_blm &= jnp.arange(max_len_q)[:, None] >= jnp.arange(max_len_kv)
+    mask_blm &= dist_lm >= 0
+  if window is not None:
+    mask_blm &= jnp.abs(dist_lm) <= window
   mask = mask_blm[:, None, None]
   s_bkglm = jnp.where(mask, s_bkglm, -jnp.inf)
   m = jnp.max(s_bkglm, axis=-1, keepdims=True)

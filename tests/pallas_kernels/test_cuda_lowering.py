@@ -52,13 +52,14 @@ def _with_grads(f):
 
 
 @pytest.mark.parametrize("h", [128, 64])
-@pytest.mark.parametrize("case", ["self", "causal", "cross"])
+@pytest.mark.parametrize("case", ["self", "causal", "cross", "window"])
 def test_jagged_attention(case, h):
   q = _spec((B * L, N, h))
   kv_rows = B * 256 if case == "cross" else B * L
   k = _spec((kv_rows, KH, h))
+  window = 64 if case == "window" else None
   f = lambda q, k, v, qo, ko: jagged_attention_mosaic(
-    q, k, v, qo, ko, causal=case == "causal", interpret=False
+    q, k, v, qo, ko, causal=case == "causal", window=window, interpret=False
   )  # forward, dQ, dK/dV
   _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
 

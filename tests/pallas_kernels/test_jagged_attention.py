@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch, jagged_attention, mosaic, schedule
+from pallas_kernels.block_attention.reference import sliding_window_reference
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import (
   IMPLEMENTATIONS,
@@ -48,7 +49,18 @@ def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal, **kw):
 
 
 def _check_case(
-  q_lens, kv_lens, *, n, kh, h, dtype, causal, tail, seed, block_sizes=None
+  q_lens,
+  kv_lens,
+  *,
+  n,
+  kh,
+  h,
+  dtype,
+  causal,
+  tail,
+  seed,
+  block_sizes=None,
+  window=None,
 ):
   q_off = cases.offsets(q_lens)
   kv_off = q_off if kv_lens is None else cases.offsets(kv_lens)
@@ -59,6 +71,7 @@ def _check_case(
     jagged_attention_mosaic,
     *(q, k, v, do, q_off, kv_off, causal),
     block_sizes=block_sizes,
+    window=window,
   )
   with jax.default_matmul_precision("highest"):  # no TF32 in the oracle
     want = _fwd_bwd(
@@ -67,6 +80,7 @@ def _check_case(
       q_off,
       kv_off,
       causal,
+      window=window,
     )
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     assert np.isfinite(g).all(), name
@@ -160,6 +174,55 @@ def test_cross_attention_odd_group_interpret(block_sizes, monkeypatch):
     block_sizes=block_sizes,
   )
   assert set(folds) == (set() if block_sizes else {3})
+
+
+@pytest.mark.parametrize(
+  "window,causal,block_sizes",
+  [
+    (5, False, mg.BlockSizes(num_sms=1)),
+    (70, True, mg.BlockSizes(fused_bwd=False, block_kv_dq=64, num_sms=1)),
+  ],
+  ids=["w5-fused", "w70-causal-dq64"],
+)
+def test_sliding_window_interpret(window, causal, block_sizes):
+  # A window narrower than a tile (rows of one query tile reach different
+  # key tiles; some rows see no key of a tile they visit) and one wider,
+  # causal, through the dQ kernel's 64-key steps; the sequence of 130 has
+  # query tiles whose windows start past its first key tile.
+  _check_case(
+    SELF_LENS,
+    None,
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.float16,
+    causal=causal,
+    tail=5,
+    seed=3,
+    block_sizes=block_sizes,
+    window=window,
+  )
+
+
+def test_window_reference_matches_banded_reference():
+  """The jagged reference's window equals the block module's banded XLA
+  sliding window (two independent formulations), causal and not."""
+  lens = [70, 0, 1, 130, 9]
+  off = cases.offsets(lens)
+  t = int(off[-1]) + 3
+  q, k, v, _ = cases.inputs(5, t, t, 4, 2, 16, jnp.float32)
+  for causal in (False, True):
+    for window in (0, 3, 64):
+      want = sliding_window_reference(
+        q, k, v, off, window=window, causal=causal, max_len=130
+      )
+      got = jagged_attention_reference(
+        q, k, v, off, causal=causal, window=window, max_len_q=130,
+        max_len_kv=130,
+      )  # fmt: skip
+      np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  with pytest.raises(ValueError, match="window"):
+    jagged_attention_reference(q, k, v, off, window=-1)
 
 
 def _surplus_identity(s_x, z):
@@ -339,14 +402,16 @@ def test_dispatch():
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "h,dtype,causal,cross",
+  "h,dtype,causal,cross,window",
   [
-    (64, jnp.bfloat16, False, False),
-    (128, jnp.bfloat16, True, False),
-    (128, jnp.float16, False, False),
-    (64, jnp.bfloat16, False, True),
-    (128, jnp.bfloat16, True, True),
-    (128, jnp.bfloat16, False, "cands"),
+    (64, jnp.bfloat16, False, False, None),
+    (128, jnp.bfloat16, True, False, None),
+    (128, jnp.float16, False, False, None),
+    (64, jnp.bfloat16, False, True, None),
+    (128, jnp.bfloat16, True, True, None),
+    (128, jnp.bfloat16, False, "cands", None),
+    (64, jnp.bfloat16, False, False, 64),
+    (128, jnp.bfloat16, True, False, 200),
   ],
   ids=[
     "d64",
@@ -355,9 +420,11 @@ def test_dispatch():
     "d64-cross",
     "d128-causal-cross",
     "d128-cands-folded",
+    "d64-window64",
+    "d128-causal-window200",
   ],
 )
-def test_gpu_matches_reference(h, dtype, causal, cross):
+def test_gpu_matches_reference(h, dtype, causal, cross, window):
   rng = np.random.default_rng(h + causal + 2 * bool(cross))
   b = 12
   q_lens = rng.integers(1, 1100, b)
@@ -379,4 +446,5 @@ def test_gpu_matches_reference(h, dtype, causal, cross):
     causal=causal,
     tail=37,
     seed=11,
+    window=window,
   )

@@ -43,10 +43,21 @@ def logits(graphdef, state, batch):
   return model(batch, max_len=MAX_LEN, max_cands=MAX_CANDS)
 
 
+# The attention options (config only, no code changes): block attention,
+# the sliding window, GDPA for candidates and pooled history queries.
+OPTIONS = {
+  "default": {},
+  "block32": dict(seq_attention="block", block_size=32),
+  "sliding": dict(seq_attention="sliding", sliding_window=2),
+  "gdpa_pooled": dict(cand_attention="gdpa", pooled_queries=2),
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("lengths", [[0, 1, 9, 5], [9, 0, 0, 3], [1, 1, 1, 1]])
-def test_requests_do_not_see_each_other(lengths):
+def test_requests_do_not_see_each_other(lengths, option):
   """Changing request 0's history never moves another request's scores."""
-  g, st = make()
+  g, st = make(dataclasses.replace(CFG, **OPTIONS[option]))
   cand_counts = [3, 2, 4, 3]
   b1 = random_batch(
     VOCAB, lengths, cand_counts, token_capacity=T, cand_capacity=C, seed=1
