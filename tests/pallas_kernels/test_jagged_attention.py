@@ -365,6 +365,63 @@ def test_schedule_covers_every_row_once(causal):
   np.testing.assert_array_equal(covered, 1)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [0, 5, 64, 200])
+def test_window_work_lists_reach_exactly_the_visible_pairs(window, causal):
+  """Under a sliding window, a query tile's key tiles `[first, first +
+  steps)` (forward, dQ) hold every key one of its valid rows sees and
+  start and end on tiles holding one; a key tile's query tiles (dK/dV)
+  likewise. Checked pair by pair against the positions, in numpy."""
+  lens = [70, 0, 1, 130, 9, 700, 5]
+  off = cases.offsets(lens)
+  t = int(off[-1]) + 11
+  bq, bkv = 64, 128
+  table, sched = mg.query_items(
+    off, off, t, block_q=bq, block_kv=bkv, causal=causal, window=window
+  )
+  table = np.asarray(table)
+
+  def sees(p, j, n):
+    ok = (0 <= j < n) and abs(p - j) <= window
+    return ok and (j <= p or not causal)
+
+  for row in table:
+    q_row, lo, hi, q_pos, _, kv_len, kv_lead, steps = row[:8]
+    first = row[11]
+    if hi <= lo:
+      continue
+    rows = range(q_pos + lo, q_pos + hi)
+    # The key-grid tile of every key some row sees.
+    need = {
+      (j + kv_lead) // bkv
+      for p in rows
+      for j in range(p - window, p + window + 1)
+      if sees(p, j, kv_len)
+    }
+    got = set(range(first, first + steps))
+    assert need == got, (row, need, got)
+  kv_table = np.asarray(
+    mg.key_items(
+      off, off, t, sched.tile_start_b, block_q=bq, block_kv=bkv,
+      causal=causal, window=window,
+    )
+  )  # fmt: skip
+  for row in kv_table:
+    kv_row, lo, hi, kv_pos, _, q_lead, first, steps, n_masked = row[:9]
+    if hi <= lo:
+      continue
+    seq = row[10]
+    n = lens[seq] if seq < len(lens) else 0
+    need = {
+      (p + q_lead) // bq
+      for j in range(kv_pos + lo, kv_pos + hi)
+      for p in range(j - window, j + window + 1)
+      if 0 <= p < n and sees(p, j, n)
+    }
+    assert need == set(range(first, first + steps)), (row, need)
+    assert n_masked == steps
+
+
 def test_dispatch():
   assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
   fn = dispatch.pick("jagged_attention", IMPLEMENTATIONS, None, "mosaic")
