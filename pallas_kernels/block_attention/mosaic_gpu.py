@@ -85,7 +85,8 @@ relayout (or load into registers) is done, the next tile's loads overlap
 the current tile's math.
 Forward: two consumer warpgroups split the query heads (and the K / V
 relayout). Backward: one consumer warpgroup walks the `g` heads and keeps
-dK and dV in registers (the GQA reduction stays in the kernel, O7).
+dK and dV in registers (the GQA reduction stays in the kernel, O7), with
+the next head's Q and dO landing in a ring meanwhile (see `backward`).
 
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
@@ -232,9 +233,10 @@ def _bwd_smem(h, rope, dtype_bytes=2):
   return (
     4 * tile  # K, V raw and tiled
     + (_CS_BYTES if rope else 0)
-    + 4 * tile  # Q, dO raw and tiled
-    + 2 * TILE * TILE * dtype_bytes  # P, dX
-    + tile  # output staging (swizzled or plain, aliased)
+    + 2 * BWD_QD_STAGES * tile  # Q, dO raw (a ring)
+    + 2 * tile  # Q, dO tiled
+    # output staging (swizzled or plain), aliased with P and dX
+    + max(tile, 2 * TILE * TILE * dtype_bytes)
   )
 
 
@@ -443,6 +445,60 @@ def _pv(p, v_t, static):
 
   acc = plgpu.ACC((TILE, v_t.shape[-1]), jnp.float32)
   return pl.run_scoped(scoped, *[acc] * len(vs))
+
+
+def _scores_and_dp(q_t, k_t, do_t, v_t, mid, static):
+  """`(mid(Q K^T), dO V^T)`, `[64, 64]` f32 each: both products' wgmmas
+  issued back to back and `mid` (the softmax) run while the second is in
+  flight. Interpret mode: one after the other."""
+  if static.interpret is not None:
+    return mid(_scores(_all_parts(q_t), k_t, static)), _scores(
+      _all_parts(do_t), v_t, static
+    )
+
+  def scoped(acc1, acc2):
+    for p, q in enumerate(_all_parts(q_t)):
+      plgpu.wgmma(acc1, q, _part(k_t, p).transpose((1, 0)))
+    for p, d in enumerate(_all_parts(do_t)):
+      plgpu.wgmma(acc2, d, _part(v_t, p).transpose((1, 0)))
+    # One committed group per wgmma: Q K^T is done once dO V^T's remain.
+    x = mid(plgpu.wgmma_accumulator_load(acc1, wait_n=_parts(do_t)))
+    return x, plgpu.wgmma_accumulator_load(acc2, wait_n=0)
+
+  acc = plgpu.ACC((TILE, TILE), jnp.float32)
+  return pl.run_scoped(scoped, acc, acc)
+
+
+def _grads(dv, dk, p_s, ds_s, q_t, do_t, k_t, static):
+  """`(dV + P^T dO, dK + dS^T Q, dS K)` as column parts, every wgmma in
+  flight together (one wait). Interpret mode: `mosaic.accumulate`."""
+  parts = len(dv)
+  if static.interpret is not None:
+    acc = lambda a, x, y: mosaic.accumulate(a, x, y, static.interpret)  # noqa: E731
+    dv = tuple(
+      acc(a, p_s.transpose((1, 0)), _part(do_t, i)) for i, a in enumerate(dv)
+    )
+    dk = tuple(
+      acc(a, ds_s.transpose((1, 0)), _part(q_t, i)) for i, a in enumerate(dk)
+    )
+    dq = [
+      mosaic.matmul(ds_s, _part(k_t, i), (TILE, dv[0].shape[1]))
+      for i in range(parts)
+    ]
+    return dv, dk, dq
+
+  def body(refs):
+    for i in range(parts):
+      plgpu.wgmma(refs[i], p_s.transpose((1, 0)), _part(do_t, i))
+    for i in range(parts):
+      plgpu.wgmma(refs[parts + i], ds_s.transpose((1, 0)), _part(q_t, i))
+    for i in range(parts):
+      plgpu.wgmma(refs[2 * parts + i], ds_s, _part(k_t, i))
+
+  zeros = [_zeros(dv[0].shape) for _ in range(parts)]
+  init = tuple(plgpu.ACC.init(a) for a in (*dv, *dk, *zeros))
+  out = pl.run_state(body)(init)
+  return out[:parts], out[parts : 2 * parts], list(out[2 * parts :])
 
 
 def _heads_of(wg, group, nwg):
@@ -672,6 +728,22 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # --------------------------------------------------------------------------
 # Backward: one consumer warpgroup per CTA walks the query heads of its KV
 # head, recomputes P, and keeps dK, dV in registers for the whole tile.
+# Per head: `Q K^T` and `dO V^T` in flight together (the softmax runs
+# while the second computes), then dV, dK and dQ's wgmmas together, one
+# wait (`_scores_and_dp`, `_grads`); the producer fills a ring of
+# `BWD_QD_STAGES` raw (Q, dO) slots, which fits because P and dX share the
+# output staging buffer. H200 (a development run, 2026-12-01, the
+# benchmark's batches, backward kernel alone, per set, timed in
+# alternation, bit-identical outputs): 426 against 481 us at all-2,048,
+# 257 against 279 us log-normal for the earlier one (one raw slot, every
+# wgmma waited for; the batched wgmmas alone: 470 / 276 us). Its bytes
+# take about 122 us at copy bandwidth at all-2,048: one warpgroup doing
+# the relayouts, the softmax and the stores between its matmuls is what
+# bounds it. A second consumer warpgroup (its own tiled Q and dO, P and
+# dX, one shared raw slot) would need about 240 KB by our count, over
+# the 223 KB a kernel's buffers may take (`mosaic.SMEM_LIMIT`).
+
+BWD_QD_STAGES = 2  # raw (Q, dO) slots: the next head's land meanwhile
 
 
 def backward(q, k, v, do, cs, items, num_real, static: _Static):
@@ -699,8 +771,12 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       dq_ref, dk_ref, dv_ref, *scratch = rest
       cs_ref = None
     (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
-    (p_s, ds_s, stage, csm) = scratch[8:12]
-    (kv_bar, cs_bar, raw_free, qd_bar, qd_free) = scratch[12:]
+    (stage, csm) = scratch[8:10]
+    (kv_bar, cs_bar, raw_free, qd_bar, qd_free) = scratch[10:]
+    # P and dX share the output staging buffer: they are dead (their
+    # wgmmas waited for) before an output is staged, and the staged
+    # output's store has read it before the next head's P is written.
+    staging, (p_s, ds_s) = tuple(stage[:2]), stage[2]
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -717,7 +793,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       def stage_out(xs, dst_ref, row, head, count):
         """f32 parts -> packed rows (see `_store_tile`)."""
         xs = [x.astype(dtype) for x in xs]
-        _store_tile(xs, tuple(stage), dst_ref, row, head, count)
+        _store_tile(xs, staging, dst_ref, row, head, count)
 
       def body(j, _):
         row, valid, tail = item(j)
@@ -733,35 +809,23 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
         def head_step(g, carry):
           dk, dv = carry
-          plgpu.barrier_wait(qd_bar)
+          slot = lax.rem(j * group + g, BWD_QD_STAGES)
+          plgpu.barrier_wait(qd_bar.at[slot])
           rot = _cos_sin(csm, rot_dtype) if rope else None
-          _relayout(q_raw, q_t, rot=rot)
-          _relayout(do_raw, do_t, keep_rows=valid)
+          _relayout(q_raw.at[slot], q_t, rot=rot)
+          _relayout(do_raw.at[slot], do_t, keep_rows=valid)
           plgpu.commit_smem()
-          plgpu.barrier_arrive(qd_free)
-          x = _scores(_all_parts(q_t), k_t, static)
-          p = _probs(x * c, valid, static)
-          dp = _scores(_all_parts(do_t), v_t, static)
+          plgpu.barrier_arrive(qd_free.at[slot])
+          p, dp = _scores_and_dp(
+            q_t, k_t, do_t, v_t, lambda x: _probs(x * c, valid, static), static
+          )
           delta = (p * dp).sum(axis=1)
           ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # see `staging`
           p_s[...] = p.astype(dtype)
           ds_s[...] = ds.astype(dtype)
           plgpu.commit_smem()
-          dv = tuple(
-            mosaic.accumulate(
-              a, p_s.transpose((1, 0)), _part(do_t, i), static.interpret
-            )
-            for i, a in enumerate(dv)
-          )
-          dk = tuple(
-            mosaic.accumulate(
-              a, ds_s.transpose((1, 0)), _part(q_t, i), static.interpret
-            )
-            for i, a in enumerate(dk)
-          )
-          dq = [
-            mosaic.matmul(ds_s, _part(k_t, i), (TILE, hp)) for i in range(parts)
-          ]
+          dv, dk, dq = _grads(dv, dk, p_s, ds_s, q_t, do_t, k_t, static)
           if rope:
             dq = _unrope(*dq, _cos_sin(csm))
           out = [a * (scale * keep) for a in dq]
@@ -787,20 +851,21 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
 
       def load_qd(rows, cnt, g):
-        @pl.when(cnt >= 1)
+        slot = lax.rem(cnt, BWD_QD_STAGES)
+
+        @pl.when(cnt >= BWD_QD_STAGES)
         def _():
-          plgpu.barrier_wait(qd_free)
+          plgpu.barrier_wait(qd_free.at[slot])
 
         head = kv_head * group + g
-        _load_tile(q_ref, rows, head, q_raw, qd_bar)
-        _load_tile(do_ref, rows, head, do_raw, qd_bar)
+        _load_tile(q_ref, rows, head, q_raw.at[slot], qd_bar.at[slot])
+        _load_tile(do_ref, rows, head, do_raw.at[slot], qd_bar.at[slot])
 
       def body(j, _):
         rows = pl.ds(item(j)[0], TILE)
         _load_kv(j, rows, kv_head, (k_ref, v_ref), kv_buffers)
-        load_qd(rows, j * group, 0)
 
-        @pl.loop(1, group)
+        @pl.loop(0, group)
         def _(g):
           load_qd(rows, j * group + g, g)
 
@@ -813,28 +878,33 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       @pl.when(n_steps > 0)
       def _():
         plgpu.barrier_wait(raw_free)
-        plgpu.barrier_wait(qd_free)
+
+      mosaic.observe_releases(n_steps * group, BWD_QD_STAGES, qd_free)
 
   swizzled, tiled, plain = mosaic.smem_swizzled, mosaic.smem_tile, plgpu.SMEM
   tile = (parts * TILE, hp)
+  ring = (BWD_QD_STAGES, *tile)
   scratch = [
     swizzled(tile, dtype),
     swizzled(tile, dtype),
     tiled(tile, dtype),
     tiled(tile, dtype),
-    swizzled(tile, dtype),
-    swizzled(tile, dtype),
+    swizzled(ring, dtype),
+    swizzled(ring, dtype),
     tiled(tile, dtype),
     tiled(tile, dtype),
-    tiled((TILE, TILE), dtype),
-    tiled((TILE, TILE), dtype),
-    plgpu.RefUnion(swizzled(tile, dtype), plain(tile, dtype)),
+    plgpu.RefUnion(
+      swizzled(tile, dtype),
+      plain(tile, dtype),
+      (tiled((TILE, TILE), dtype), tiled((TILE, TILE), dtype)),
+    ),
     swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(),
-    plgpu.Barrier(num_arrivals=2 * parts),  # Q and dO
-    plgpu.Barrier(),
+    # Q and dO, per ring slot
+    plgpu.Barrier(num_arrivals=2 * parts, num_barriers=BWD_QD_STAGES),
+    plgpu.Barrier(num_barriers=BWD_QD_STAGES),
   ]
   args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
