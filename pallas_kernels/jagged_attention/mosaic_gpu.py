@@ -70,10 +70,17 @@ technique of JAX's ragged_dot), starting at the first valid row. The saved
 backward their `P = 2^(s - lse)` is exactly 0 and they add nothing to dK/dV
 without a mask. In dQ, the zero-filled key rows give `P != 0` but `dP = 0`
 and `dS K = 0`.
-Only causal diagonal tiles build a (position) mask. Rows of the buffer tail
-past `offsets[-1]` and rows of sequences without keys get zeros (forward,
-dQ) and sequences without queries get zero dK/dV: the schedule lists those
-tiles as zero-work items. The packed inputs' tail rows must be finite.
+Only causal diagonal tiles build a (position) mask, and, with a sliding
+window (`window=w`: row `p` sees keys `|p - j| <= w`), every visited tile:
+a query tile visits only the key tiles holding a key within `w` positions
+of one of its valid rows (`window_key_range`; the dK/dV work list likewise
+lists only the query tiles in reach), keys outside the sequence are
+masked too (no zero-fill surplus to subtract), and since a row may see no
+key of a visited tile, the running max is kept from `-inf - -inf`.
+Rows of the buffer tail past `offsets[-1]` and rows of sequences without
+keys get zeros (forward, dQ) and sequences without queries get zero
+dK/dV: the schedule lists those tiles as zero-work items. The packed
+inputs' tail rows must be finite.
 
 Hopper specifics: TMA loads into 128-byte-swizzled shared memory, wgmma with
 f32 accumulators, and warp specialization: one producer warpgroup (40
