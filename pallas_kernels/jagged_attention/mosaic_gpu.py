@@ -958,11 +958,13 @@ def backward_dq(
       fields = _load_query_item(items_ref, it)
       (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total) = fields[:9]
       hi_lo = hi > lo
-      first = fields[11] * split if window is not None else None
-      if split > 1 and window is not None:  # the window's bkv-key steps
+      first = None
+      if window is not None and split > 1:  # the window's bkv-key steps
         first, kv_steps = window_key_range(
           q_pos, lo, hi, kv_len, kv_lead, bkv, causal, window
         )
+      elif window is not None:
+        first = fields[11]
       elif split > 1:  # steps of bkv keys (as `query_items` counts them)
         kv_steps = jnp.where(
           kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0

@@ -181,14 +181,16 @@ def test_cross_attention_odd_group_interpret(block_sizes, monkeypatch):
   [
     (5, False, mg.BlockSizes(num_sms=1)),
     (70, True, mg.BlockSizes(fused_bwd=False, block_kv_dq=64, num_sms=1)),
+    (12, False, mg.BlockSizes(fused_bwd=False, block_kv_dq=128, num_sms=1)),
   ],
-  ids=["w5-fused", "w70-causal-dq64"],
+  ids=["w5-fused", "w70-causal-dq64", "w12-dq128"],
 )
 def test_sliding_window_interpret(window, causal, block_sizes):
   # A window narrower than a tile (rows of one query tile reach different
   # key tiles; some rows see no key of a tile they visit) and one wider,
-  # causal, through the dQ kernel's 64-key steps; the sequence of 130 has
-  # query tiles whose windows start past its first key tile.
+  # causal, through the dQ kernel's 64-key steps (its own key range) or
+  # its 128-key steps (the forward's); the sequence of 130 has query tiles
+  # whose windows start past its first key tile.
   _check_case(
     SELF_LENS,
     None,
