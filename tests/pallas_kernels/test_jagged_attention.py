@@ -106,6 +106,23 @@ def _check_case(
 SELF_LENS = [70, 0, 1, 130, 9]
 
 
+def _check_self(seed, block_sizes, causal=True, window=None):
+  """Self-attention over `SELF_LENS`, 2 heads over 1 KV head, D=64, fp16."""
+  _check_case(
+    SELF_LENS,
+    None,
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.float16,
+    causal=causal,
+    tail=5,
+    seed=seed,
+    block_sizes=block_sizes,
+    window=window,
+  )
+
+
 @pytest.mark.parametrize(
   "block_sizes",
   [
@@ -134,18 +151,7 @@ def test_causal_self_attention_interpret(block_sizes):
   # queued behind dV and dK, or one at a time: "serial"). The unfused
   # backward's dQ kernel with 128-key steps reuses the forward's work list
   # and side tiles, with 64 it builds its own; one forward CTA per item.
-  _check_case(
-    SELF_LENS,
-    None,
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.float16,
-    causal=True,
-    tail=5,
-    seed=1,
-    block_sizes=block_sizes,
-  )
+  _check_self(1, block_sizes)
 
 
 @pytest.mark.parametrize(
@@ -191,19 +197,7 @@ def test_sliding_window_interpret(window, causal, block_sizes):
   # causal, through the dQ kernel's 64-key steps (its own key range) or
   # its 128-key steps (the forward's); the sequence of 130 has query tiles
   # whose windows start past its first key tile.
-  _check_case(
-    SELF_LENS,
-    None,
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.float16,
-    causal=causal,
-    tail=5,
-    seed=3,
-    block_sizes=block_sizes,
-    window=window,
-  )
+  _check_self(3, block_sizes, causal=causal, window=window)
 
 
 def test_window_reference_matches_banded_reference():
