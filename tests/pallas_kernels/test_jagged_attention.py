@@ -200,6 +200,25 @@ def test_sliding_window_interpret(window, causal, block_sizes):
   _check_self(3, block_sizes, causal=causal, window=window)
 
 
+def test_cross_attention_window_interpret():
+  # A window over key sequences of other lengths (positions from each
+  # side's start): keys beyond a short query side, a sequence with keys
+  # but no queries, one with queries but no keys; 2 heads per KV head.
+  _check_case(
+    [3, 0, 70, 2, 1],
+    [140, 7, 0, 64, 1],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    causal=False,
+    tail=3,
+    seed=4,
+    block_sizes=mg.BlockSizes(num_sms=1),
+    window=20,
+  )
+
+
 def test_window_reference_matches_banded_reference():
   """The jagged reference's window equals the block module's banded XLA
   sliding window (two independent formulations), causal and not."""
@@ -361,19 +380,25 @@ def test_schedule_covers_every_row_once(causal):
   np.testing.assert_array_equal(covered, 1)
 
 
+@pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [0, 5, 64, 200])
-def test_window_work_lists_reach_exactly_the_visible_pairs(window, causal):
+def test_window_work_lists_reach_exactly_the_visible_pairs(
+  window, causal, cross
+):
   """Under a sliding window, a query tile's key tiles `[first, first +
   steps)` (forward, dQ) hold every key one of its valid rows sees and
   start and end on tiles holding one; a key tile's query tiles (dK/dV)
-  likewise. Checked pair by pair against the positions, in numpy."""
+  likewise. Checked pair by pair against the positions, in numpy; `cross`:
+  key sequences of other lengths (positions count from each side's start).
+  """
   lens = [70, 0, 1, 130, 9, 700, 5]
-  off = cases.offsets(lens)
-  t = int(off[-1]) + 11
+  kv_lens = [3, 40, 0, 300, 9, 650, 0] if cross else lens
+  off, kv_off = cases.offsets(lens), cases.offsets(kv_lens)
+  t, s = int(off[-1]) + 11, int(kv_off[-1]) + 6
   bq, bkv = 64, 128
   table, sched = mg.query_items(
-    off, off, t, block_q=bq, block_kv=bkv, causal=causal, window=window
+    off, kv_off, t, block_q=bq, block_kv=bkv, causal=causal, window=window
   )
   table = np.asarray(table)
 
@@ -398,7 +423,7 @@ def test_window_work_lists_reach_exactly_the_visible_pairs(window, causal):
     assert need == got, (row, need, got)
   kv_table = np.asarray(
     mg.key_items(
-      off, off, t, sched.tile_start_b, block_q=bq, block_kv=bkv,
+      off, kv_off, s, sched.tile_start_b, block_q=bq, block_kv=bkv,
       causal=causal, window=window,
     )
   )  # fmt: skip
@@ -407,12 +432,13 @@ def test_window_work_lists_reach_exactly_the_visible_pairs(window, causal):
     if hi <= lo:
       continue
     seq = row[10]
-    n = lens[seq] if seq < len(lens) else 0
+    n_q = lens[seq] if seq < len(lens) else 0
+    n_kv = kv_lens[seq] if seq < len(lens) else 0
     need = {
       (p + q_lead) // bq
       for j in range(kv_pos + lo, kv_pos + hi)
       for p in range(j - window, j + window + 1)
-      if 0 <= p < n and sees(p, j, n)
+      if 0 <= p < n_q and sees(p, j, n_kv)
     }
     assert need == set(range(first, first + steps)), (row, need)
     assert n_masked == steps
