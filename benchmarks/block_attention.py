@@ -201,12 +201,20 @@ def run_case(mix, rng, records, bw):
     MAX_REL_ERR,
   )
 
-  sliding_ok = check_sliding(mix, sliding, sliding_xla, sets[0], records)
+  # Our sliding window against the banded XLA one in f32.
+  sliding_errs = common.checked(
+    "block_attention",
+    mix,
+    lambda: check_sliding(mix, sliding, sliding_xla, sets[0]),
+    records,
+    MAX_REL_ERR,
+    impl="sliding_window",
+  )
   times = {}
   for name, fn, args in (
     *([("mosaic", ours, sets)] if errs is not None else []),
     ("cudnn_blocks", cudnn_blocks, blocked),
-    *([("sliding_window", sliding, sets)] if sliding_ok else []),
+    *([("sliding_window", sliding, sets)] if sliding_errs is not None else []),
     ("sliding_window_xla", sliding_xla, sets),
   ):
     for kind, f in (
@@ -311,38 +319,13 @@ def run_case(mix, rng, records, bw):
     )
 
 
-def check_sliding(mix, sliding, sliding_xla, inputs, records) -> bool:
-  """Our sliding window (the jagged kernel's `window`) against the banded
-  XLA one in f32, forward and gradients; records the errors. False (and
-  the baseline is not timed) when it fails or misses the bound."""
-  q, k, v, do = inputs
-  try:
-    got = jax.jit(common.fwd_bwd(sliding))(q, k, v, do)
-    with jax.default_matmul_precision("highest"):
-      want = jax.jit(common.fwd_bwd(sliding_xla))(
-        *(x.astype(jnp.float32) for x in (q, k, v, do))
-      )
-  except Exception as e:  # noqa: BLE001 - report and go on
-    print(f"{mix}: SLIDING WINDOW FAILED: {type(e).__name__}: {e}"[:3000])
-    return False
-  errs = {
-    n: common.rel_err(g, w)
-    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
-  }
+def check_sliding(mix, sliding, sliding_xla, inputs):
+  """Relative errors of our sliding window (the jagged kernel's `window`)
+  vs the banded XLA one in f32, forward and gradients."""
+  got = jax.jit(common.fwd_bwd(sliding))(*inputs)
+  errs = common.grad_errs(got, sliding_xla, inputs)
   print(f"{mix}: sliding window rel err {errs}", flush=True)
-  for name, err in errs.items():
-    records.append(
-      common.record(
-        "block_attention",
-        mix,
-        "sliding_window",
-        f"rel_err_{name}",
-        err,
-        goal=MAX_REL_ERR,
-        lower_is_better=True,
-      )
-    )
-  return max(errs.values()) < MAX_REL_ERR
+  return errs
 
 
 def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):
@@ -356,14 +339,7 @@ def check(mix, ours, cudnn_blocks, sets, blocked, off, blocks):
     )
 
   got = jax.jit(common.fwd_bwd(ours))(q, k, v, do)
-  with jax.default_matmul_precision("highest"):
-    want = jax.jit(common.fwd_bwd(ref))(
-      *(x.astype(jnp.float32) for x in (q, k, v, do))
-    )
-  errs = {
-    n: common.rel_err(g, w)
-    for n, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True)
-  }
+  errs = common.grad_errs(got, ref, (q, k, v, do))
   try:  # the baseline may fail on its own; that is not our error
     o_blocks = to_blocks(got[0], off, blocks)
     c = jax.jit(cudnn_blocks)(*blocked[0][:3])

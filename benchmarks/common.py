@@ -229,22 +229,23 @@ def cudnn_padded(q_lens, kv_lens, implementation="cudnn"):
   return fn
 
 
-def checked(benchmark, case, check, records, max_err):
-  """Run `check() -> {name: rel err}` and record each error against
-  `max_err`. A failure (an exception or an error over the bound) is
-  printed, never raised: the baselines are still measured, so one device
-  run tells as much as it can. Returns the errors (None if it raised)."""
+def checked(benchmark, case, check, records, max_err, impl="mosaic"):
+  """Run `check() -> {name: rel err}` and record each error of `impl`
+  (our kernels by default) against `max_err`. A failure (an exception or
+  an error over the bound) is printed, never raised: the baselines are
+  still measured, so one device run tells as much as it can. Returns the
+  errors (None if it raised)."""
   try:
     errs = check()
   except Exception as e:  # noqa: BLE001 - report and go on
-    print(f"{case}: OUR KERNELS FAILED: {type(e).__name__}: {e}"[:3000])
+    print(f"{case}: {impl} FAILED: {type(e).__name__}: {e}"[:3000])
     return None
   for name, err in errs.items():
     records.append(
       record(
         benchmark,
         case,
-        "mosaic",
+        impl,
         f"rel_err_{name}",
         err,
         goal=max_err,
@@ -254,6 +255,16 @@ def checked(benchmark, case, check, records, max_err):
   if errs and max(errs.values()) >= max_err:
     print(f"{case}: CHECK FAILED (rel err >= {max_err})", flush=True)
   return errs
+
+
+def grad_errs(got, ref, inputs) -> dict[str, float]:
+  """Relative errors of `got = (o, dq, dk, dv)` (`fwd_bwd` of an op at
+  `inputs = (q, k, v, do)`) against `ref`'s, run in f32 at the highest
+  matmul precision."""
+  with jax.default_matmul_precision("highest"):
+    want = jax.jit(fwd_bwd(ref))(*(x.astype(jnp.float32) for x in inputs))
+  names = ("o", "dq", "dk", "dv")
+  return {n: rel_err(g, w) for n, g, w in zip(names, got, want, strict=True)}
 
 
 def rel_err(got, want) -> float:

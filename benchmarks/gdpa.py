@@ -162,13 +162,7 @@ def check(case, ours_fb, q_off, kv_off, sets, max_q, max_kv):
       max_len_kv=max_kv,
     )
 
-  got = ours_fb(q, k, v, do)
-  with jax.default_matmul_precision("highest"):
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    want = fwd_bwd(ref)(*f32)
-  errs = {}
-  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
-    errs[name] = common.rel_err(g, w)
+  errs = common.grad_errs(ours_fb(q, k, v, do), ref, (q, k, v, do))
   print(f"{case}: ours vs f32 reference rel err {errs}", flush=True)
   return errs
 

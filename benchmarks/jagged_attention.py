@@ -24,10 +24,11 @@ call of one set spans 0.960 ms in an H200 profile, against 0.9295 ms per
 set timed here; the K/V side tiles, which depend on the data, count in
 full.
 
-Also timed: our forward kernel alone (work
-list and side tiles prebuilt) and the backward's dQ (with delta) and dK/dV
-kernels alone, to show where the time goes (`--breakdown`), and the op under
-other block sizes (`--tune`).
+Also timed: our forward kernel alone (work list and side tiles prebuilt)
+and the backward's dQ (with delta) and dK/dV kernels alone, to show where
+the time goes (`--breakdown`), and the op under other block sizes
+(`--tune`: the variants in `TUNE`, none at present; the comment above it
+lists those tried).
 """
 
 import argparse

@@ -737,7 +737,8 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # alternation, bit-identical outputs): 426 against 481 us at all-2,048,
 # 257 against 279 us log-normal for the earlier one (one raw slot, every
 # wgmma waited for; the batched wgmmas alone: 470 / 276 us). Its bytes
-# take about 122 us at copy bandwidth at all-2,048: one warpgroup doing
+# take about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO read and
+# dQ, dK, dV written once: 8 KiB a token, 537 MB): one warpgroup doing
 # the relayouts, the softmax and the stores between its matmuls is what
 # bounds it. A second consumer warpgroup (its own tiled Q and dO, P and
 # dX, one shared raw slot) would need about 240 KB by our count, over

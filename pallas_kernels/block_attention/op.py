@@ -26,10 +26,7 @@ from pallas_kernels.block_attention.reference import (
   sliding_window_reference,
 )
 from pallas_kernels.jagged_attention.op import jagged_attention
-from pallas_kernels.jagged_attention.reference import (
-  check_offsets,
-  check_window,
-)
+from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
 KERNEL_BLOCKS = (32, 64)
@@ -212,7 +209,6 @@ def sliding_window_attention(
       scale=scale,
       max_len=max_len,
     )
-  check_window(window)
   q_tnh, k_tkh, offsets, max_len = _prepare(
     q_tnh, k_tkh, offsets, rope, max_len, "sliding_window"
   )

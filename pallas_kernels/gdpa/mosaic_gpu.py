@@ -528,11 +528,16 @@ def _table_row(wt_ref, w, j, cols):
   return tuple(wt_ref[w, jj, c] for c in cols)
 
 
+def _out_smem(hpc, h, bs, out_bytes, full):
+  """Output staging of a query-side kernel (plain, plus the swizzled
+  whole-tile buffer when `full`) and 1 KiB for its barriers."""
+  return hpc * bs.block_q * h * (out_bytes + (2 if full else 0)) + 1024
+
+
 def _query_smem(hpc, q_stages, h, bs, dq, out_bytes, full):
   q_ring = q_stages * hpc * bs.block_q * h * 2 * (2 if dq else 1)
   kv_ring = bs.kv_stages * bs.block_kv * h * 2 * 2
-  out = hpc * bs.block_q * h * (out_bytes + (2 if full else 0))
-  return q_ring + kv_ring + out + 1024
+  return q_ring + kv_ring + _out_smem(hpc, h, bs, out_bytes, full)
 
 
 def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
@@ -1056,16 +1061,16 @@ def backward_dkv(
 def _ds_ring(bs, hpc: int, h: int, out_bytes: int, full: bool) -> int:
   """Ring depth of `dq_from_ds`: `kv_stages + 2` slots of (K tile, `hpc`
   `dS^T` tiles), fewer (down to 2) where they would not fit beside the
-  output buffers (as `query_layout` counts: 1 KiB for the barriers).
-  Raises if even 2 do not fit."""
+  output buffers (`_out_smem`, as `query_layout` counts). Raises if even 2
+  do not fit."""
   slot = (DS_ROWS * h + hpc * DS_ROWS * bs.block_q) * 2
-  out = hpc * bs.block_q * h * (out_bytes + (2 if full else 0))
+  out = _out_smem(hpc, h, bs, out_bytes, full)
   for mcs in range(bs.kv_stages + 2, 1, -1):
-    if mcs * slot + out + 1024 <= mosaic.SMEM_PER_BLOCK:
+    if mcs * slot + out <= mosaic.SMEM_PER_BLOCK:
       return mcs
   raise ValueError(
     f"dQ from dS^T: head dim {h} with {hpc} heads per CTA needs "
-    f"{2 * slot + out + 1024} B of shared memory for a 2-slot ring, over "
+    f"{2 * slot + out} B of shared memory for a 2-slot ring, over "
     f"{mosaic.SMEM_PER_BLOCK}"
   )
 

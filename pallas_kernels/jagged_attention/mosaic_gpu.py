@@ -73,7 +73,7 @@ and `dS K = 0`.
 Only causal diagonal tiles build a (position) mask, and, with a sliding
 window (`window=w`: row `p` sees keys `|p - j| <= w`), every visited tile:
 a query tile visits only the key tiles holding a key within `w` positions
-of one of its valid rows (`window_key_range`; the dK/dV work list likewise
+of one of its valid rows (`window_tile_range`; the dK/dV work list likewise
 lists only the query tiles in reach), keys outside the sequence are
 masked too (no zero-fill surplus to subtract), and since a row may see no
 key of a visited tile, the running max is kept from `-inf - -inf`.
@@ -197,17 +197,22 @@ def seq_tables(offsets, capacity, other_offsets):
   return off, other
 
 
-def window_key_range(q_pos, lo, hi, kv_len, kv_lead, bkv, causal, window):
-  """(first, count) of the `bkv`-row key tiles (on the sequence's aligned
-  key grid) that hold a key some valid row `[lo, hi)` of a query tile sees
-  through a sliding window of `window` positions each side (and the causal
-  mask); count 0 when none does."""
-  first_pos = jnp.maximum(q_pos + lo - window, 0)
-  last_pos = jnp.minimum(q_pos + hi - 1 + window, kv_len - 1)
-  if causal:
-    last_pos = jnp.minimum(last_pos, q_pos + hi - 1)
-  first = lax.div(first_pos + kv_lead, bkv)
-  end = lax.div(jnp.maximum(last_pos, 0) + kv_lead, bkv) + 1
+def window_tile_range(pos, lo, hi, other_len, other_lead, block, window,
+                      causal=None):  # fmt: skip
+  """(first, count) of the other side's `block`-row tiles (on its sequence's
+  aligned grid, `other_lead` rows before position 0) that hold a position
+  within `window` of one of a tile's valid rows `[lo, hi)` (row 0 at
+  position `pos`); count 0 when none does. `causal`: None, or which side
+  of the rows the other side must lie, "before" (keys seen by query rows)
+  or "after" (queries that see key rows)."""
+  first_pos = jnp.maximum(pos + lo - window, 0)
+  last_pos = jnp.minimum(pos + hi - 1 + window, other_len - 1)
+  if causal == "before":
+    last_pos = jnp.minimum(last_pos, pos + hi - 1)
+  elif causal == "after":
+    first_pos = jnp.maximum(first_pos, pos + lo)
+  first = lax.div(first_pos + other_lead, block)
+  end = lax.div(jnp.maximum(last_pos, 0) + other_lead, block) + 1
   ok = (hi > lo) & (last_pos >= first_pos)
   return first, jnp.where(ok, end - first, 0)
 
@@ -222,7 +227,7 @@ def query_items(
   row 0 in its sequence (negative in the lead rows), 4 first packed row of
   the sequence's aligned key grid, 5 key length, 6 key lead rows, 7 key
   tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id, 11 first
-  key tile visited (0 unless `window`: `window_key_range`).
+  key tile visited (0 unless `window`: `window_tile_range`).
   """
   q_off, kv_off = seq_tables(q_offsets, t, kv_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
@@ -240,9 +245,10 @@ def query_items(
     total = kv_total_b[seq]
     first = jnp.zeros_like(tile)
     if window is not None:
-      first, steps = window_key_range(
-        q_pos, lo, hi, kv_len_b[seq], kv_lead_b[seq], block_kv, causal, window
-      )
+      first, steps = window_tile_range(
+        q_pos, lo, hi, kv_len_b[seq], kv_lead_b[seq], block_kv, window,
+        "before" if causal else None,
+      )  # fmt: skip
     elif causal:
       last = q_pos + hi - 1  # position of the last valid row
       steps = jnp.minimum(total, (last + kv_lead_b[seq]) // block_kv + 1)
@@ -317,17 +323,11 @@ def key_items(
     hi = jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv)
     n_q = n_q_b[seq]
     lead = q_lead_b[seq]
-    if window is not None:
-      # Query rows within `window` positions of a valid key (and at or
-      # after the first, causal); every step masked.
-      first_pos = jnp.maximum(kv_pos + lo - window, 0)
-      if causal:
-        first_pos = jnp.maximum(first_pos, kv_pos + lo)
-      last_pos = jnp.minimum(kv_pos + hi - 1 + window, q_len_b[seq] - 1)
-      first = jnp.clip(lax.div(first_pos + lead, block_q), 0, n_q)
-      end = lax.div(jnp.maximum(last_pos, 0) + lead, block_q) + 1
-      ok = (hi > lo) & (last_pos >= first_pos)
-      steps = jnp.where(ok, jnp.clip(end, first, n_q) - first, 0)
+    if window is not None:  # every step masked
+      first, steps = window_tile_range(
+        kv_pos, lo, hi, q_len_b[seq], lead, block_q, window,
+        "after" if causal else None,
+      )  # fmt: skip
       return kv_pos, lo, hi, first, steps, steps
     if causal:
       # First query tile holding a position >= this tile's first key; tiles
@@ -400,8 +400,12 @@ def _heads_per_cta(n, kh):
   return 2 if group % 2 == 0 else 1
 
 
-def _load_query_item(items_ref, it):
-  return [items_ref[it, f] for f in range(12)]
+def _load_query_item(items_ref, it, window):
+  """The 12 `query_items` fields of item `it`; the first key tile (field
+  11) is read only under a sliding window (else None: the loop starts at
+  tile 0)."""
+  fields = [items_ref[it, f] for f in range(11)]
+  return fields + [items_ref[it, 11] if window is not None else None]
 
 
 def _visible(q_at, k_at, causal: bool, window: int | None):
@@ -611,13 +615,12 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
     def item(j):
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
-      fields = _load_query_item(items_ref, it)
+      fields = _load_query_item(items_ref, it, window)
       # Steps of this item: 0 when it has no valid rows (skipped); its
       # sequence's key tiles (the side tiles' first and last); its first.
       hi_lo = fields[2] > fields[1]
-      first = fields[11] if window is not None else None
       steps = jnp.where(hi_lo, fields[7], 0)
-      return fields, hi_lo, steps, fields[8], first
+      return fields, hi_lo, steps, fields[8], fields[11]
 
     def sched():
       if hpc == 2:
@@ -955,16 +958,16 @@ def backward_dq(
       """Fields of the CTA's j-th item, its key steps (0 without valid
       rows) and the forward's key tiles of its sequence."""
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
-      fields = _load_query_item(items_ref, it)
+      # 64-key steps under a window: the range is their own (below).
+      fields = _load_query_item(items_ref, it, window if split == 1 else None)
       (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total) = fields[:9]
       hi_lo = hi > lo
-      first = None
+      first = fields[11]
       if window is not None and split > 1:  # the window's bkv-key steps
-        first, kv_steps = window_key_range(
-          q_pos, lo, hi, kv_len, kv_lead, bkv, causal, window
-        )
-      elif window is not None:
-        first = fields[11]
+        first, kv_steps = window_tile_range(
+          q_pos, lo, hi, kv_len, kv_lead, bkv, window,
+          "before" if causal else None,
+        )  # fmt: skip
       elif split > 1:  # steps of bkv keys (as `query_items` counts them)
         kv_steps = jnp.where(
           kv_len > 0, lax.div(kv_len + kv_lead + bkv - 1, bkv), 0

@@ -155,17 +155,19 @@ def test_causal_self_attention_interpret(block_sizes):
 
 
 @pytest.mark.parametrize(
-  "block_sizes",
-  [None, mg.BlockSizes(fold_heads=False)],
-  ids=["heads_folded", "heads_apart"],
+  "block_sizes,window",
+  [(None, None), (mg.BlockSizes(fold_heads=False), None), (None, 6)],
+  ids=["heads_folded", "heads_apart", "window"],
 )
-def test_cross_attention_odd_group_interpret(block_sizes, monkeypatch):
+def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
   # Few candidate queries over a longer history (stage 2), with the same
   # edge cases on the key side: a sequence with keys but no queries (zero
   # dK/dV), one with queries but no keys (zero output), length 1, a long one;
   # a group of 3 query heads per KV head (one head per CTA). At most 5
   # queries: by default the 3 heads fold into rows (`schedule.fold_factor`
-  # 3), so each sequence's queries fill one tile per KV head.
+  # 3), so each sequence's queries fill one tile per KV head; not under a
+  # sliding window (positions from each side's start), which reads rows'
+  # positions.
   folds = cases.record_folds(monkeypatch)
   _check_case(
     [3, 0, 5, 2, 1],
@@ -178,8 +180,9 @@ def test_cross_attention_odd_group_interpret(block_sizes, monkeypatch):
     tail=3,
     seed=3,
     block_sizes=block_sizes,
+    window=window,
   )
-  assert set(folds) == (set() if block_sizes else {3})
+  assert set(folds) == (set() if block_sizes or window else {3})
 
 
 @pytest.mark.parametrize(
@@ -198,25 +201,6 @@ def test_sliding_window_interpret(window, causal, block_sizes):
   # its 128-key steps (the forward's); the sequence of 130 has query tiles
   # whose windows start past its first key tile.
   _check_self(3, block_sizes, causal=causal, window=window)
-
-
-def test_cross_attention_window_interpret():
-  # A window over key sequences of other lengths (positions from each
-  # side's start): keys beyond a short query side, a sequence with keys
-  # but no queries, one with queries but no keys; 2 heads per KV head.
-  _check_case(
-    [3, 0, 70, 2, 1],
-    [140, 7, 0, 64, 1],
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.bfloat16,
-    causal=False,
-    tail=3,
-    seed=4,
-    block_sizes=mg.BlockSizes(num_sms=1),
-    window=20,
-  )
 
 
 def test_window_reference_matches_banded_reference():
