@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks import common
+from pallas_kernels import mosaic
 from pallas_kernels.rms_norm import mosaic_gpu as mg
 from pallas_kernels.rms_norm.reference import rms_norm_reference
 
 T = 262_144
-H200_SMS = mg.H200_NUM_SMS
 DS = (512, 2048)
 INTERPRET = False  # --small on CPU: GPU interpret mode, tiny shapes
 DTYPE = jnp.bfloat16
@@ -230,7 +230,7 @@ def _timed(c: Case, name: str, bs, copy_bw: float):
   d, tensor = c.d, c.tensor
   cfg = c.cfg(bs, bwd=name == "bwd")
   smem = mg.smem_bytes(cfg, bwd=name == "bwd")
-  if smem * pl.cdiv(cfg.num_blocks, H200_SMS) > 220 * 1024:
+  if smem * pl.cdiv(cfg.num_blocks, mosaic.num_sms()) > 220 * 1024:
     raise ValueError(f"{smem // 1024} KiB of SMEM per block: no co-residence")
   if name == "fwd":
     t = device_time(c.fwd(cfg), c.fwd_args)

@@ -24,6 +24,21 @@ SMEM_PER_BLOCK = 227 * 1024
 # RMSNorm forward with FP8 output) took 232,456 B and 232,448 B (the
 # quantizing FP8 matmul with an f32 output) took 234,624 B.
 SMEM_LIMIT = SMEM_PER_BLOCK - 4 * 1024
+# SMs of the H100 / H200 SXM: the CTA count persistent kernels assume where
+# no GPU says otherwise (interpret mode, lowering for CUDA on a CPU host).
+HOPPER_SMS = 132
+
+
+def num_sms(given: int | None = None) -> int:
+  """`given`, else the SM count of this process's first device if it is a
+  GPU, else `HOPPER_SMS`. Persistent kernels launch about this many CTAs;
+  a fixed 132 on a Hopper with fewer SMs (an H100 PCIe has 114, an H20 78)
+  would leave the last CTAs to a second wave, with up to twice the time."""
+  if given is not None:
+    return given
+  dev = jax.local_devices()[0]
+  count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+  return int(count) if count else HOPPER_SMS
 
 
 def pad_rows(x, multiple=ALIGN):

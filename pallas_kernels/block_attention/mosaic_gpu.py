@@ -156,12 +156,13 @@ class BlockSizes:
   0.0036 (the rotated rows are rounded twice instead of once).
   """
 
-  num_sms: int = 132  # H200; persistent CTAs = about this many
+  num_sms: int | None = None  # persistent CTAs = about this many (None:
+  # the GPU's SMs, `mosaic.num_sms`)
   q_stages: int = 1
   rope_f32: bool = False  # rotate Q and K in f32 (default: input dtype)
 
   def __post_init__(self):
-    if self.num_sms < 1 or self.q_stages < 1:
+    if (self.num_sms is not None and self.num_sms < 1) or self.q_stages < 1:
       raise ValueError("num_sms and q_stages must be >= 1")
 
 
@@ -527,7 +528,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   c = static.scale * LOG2E
   num_items = items.shape[0]
   workers = schedule.persistent_workers(
-    kh, static.block_sizes.num_sms, num_items
+    kh, mosaic.num_sms(static.block_sizes.num_sms), num_items
   )
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
   heads_of = [_heads_of(wg, group, nwg) for wg in range(nwg)]
@@ -760,7 +761,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   scale = static.scale
   num_items = items.shape[0]
   workers = schedule.persistent_workers(
-    kh, static.block_sizes.num_sms, num_items
+    kh, mosaic.num_sms(static.block_sizes.num_sms), num_items
   )
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
 

@@ -166,7 +166,9 @@ def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
 _SPLIT_MIN_K_STEPS = 64
 
 
-def k_splits(m: int, n: int, k: int, bs: BlockSizes, num_sms: int = 132):
+def k_splits(
+  m: int, n: int, k: int, bs: BlockSizes, num_sms: int | None = None
+):
   """Runs to cut the contraction into (`scaled_matmul_mgpu`'s `splits`):
   doubled while the product's CTAs (output tiles, times the runs) fill no
   more than the chip and each run keeps >= `_SPLIT_MIN_K_STEPS` k-steps;
@@ -176,6 +178,7 @@ def k_splits(m: int, n: int, k: int, bs: BlockSizes, num_sms: int = 132):
   clu_m, clu_n = bs.cluster_tile()
   ctas = (m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
   steps, splits = k // bs.tile_k, 1
+  num_sms = mosaic.num_sms(num_sms)
   while (
     2 * splits * ctas <= num_sms
     and steps % (2 * splits) == 0
@@ -697,7 +700,7 @@ def quantizing_matmul_mgpu(
   *,
   out_dtype=jnp.bfloat16,
   block_sizes: QuantizingBlockSizes = QuantizingBlockSizes(),
-  num_sms: int = 132,
+  num_sms: int | None = None,
   interpret=False,
   b_scale_uniform: bool = False,
 ):
@@ -737,7 +740,7 @@ def quantizing_matmul_mgpu(
       " forever for registers the quantizers' decrease does not free"
     )
   # A persistent grid: no more programs than output tiles.
-  num_sms = min(num_sms, (m // cta_m) * (n // cta_n))
+  num_sms = min(mosaic.num_sms(num_sms), (m // cta_m) * (n // cta_n))
   scratch = _quantizing_scratch(bs, out_dtype)
   kernel = functools.partial(
     _quantizing_kernel,
@@ -783,7 +786,7 @@ def scaled_matmul_mgpu(
   kb: int,
   out_dtype=jnp.bfloat16,
   block_sizes: BlockSizes = BlockSizes(),
-  num_sms: int = 132,
+  num_sms: int | None = None,
   interpret: bool = False,
   b_scale_uniform: bool = False,
   splits: int = 1,
@@ -819,7 +822,9 @@ def scaled_matmul_mgpu(
   # A persistent grid of clusters (one CTA each unless `cluster_dimension`):
   # no more programs than output tiles.
   csize = 1 + (bs.cluster_dimension is not None)
-  num_sms = min(num_sms // csize, splits * (m // clu_m) * (n // clu_n))
+  num_sms = min(
+    mosaic.num_sms(num_sms) // csize, splits * (m // clu_m) * (n // clu_n)
+  )
   kernel = functools.partial(
     _kernel,
     kb=kb,

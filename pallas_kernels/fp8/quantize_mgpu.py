@@ -437,7 +437,7 @@ def quantize_mgpu(
   hadamard_seed=0,
   sr=False,
   interpret=False,
-  num_sms=132,
+  num_sms=None,
   n_cols=None,
   tile_r=None,
   stages=None,
@@ -486,6 +486,7 @@ def quantize_mgpu(
     (TILE_R,), 0 if seed_hash is None else seed_hash, dtype=jnp.int32
   )
   row_tiles, col_tiles = r // tile_r, c // TILE_C
+  num_sms = mosaic.num_sms(num_sms)
   interp = plgpu.InterpretGPUParams() if interpret else None
   if cfg["warpgroups"]:
     return _ring_call(
@@ -702,7 +703,7 @@ def _transpose_kernel(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages"))
 def transpose_quantize_mgpu(
-  x_rc, sx_Cr=None, *, interpret=False, num_sms=132, stages=2
+  x_rc, sx_Cr=None, *, interpret=False, num_sms=None, stages=2
 ):
   """`(v_cr, se_Rc)`: `x^T` quantized round to nearest in 1 x 128 blocks
   (along `r`), the values and scales `quantize_mgpu(x.T, block=(1, 128))`
@@ -724,7 +725,7 @@ def transpose_quantize_mgpu(
     raise ValueError(f"x must be bf16 (or e4m3 with scales): {x_rc.dtype}")
   dtype = x_rc.dtype
   row_tiles, col_tiles = r // TILE_C, c // TILE_C
-  steps = _steps_per_program(row_tiles, col_tiles, num_sms)
+  steps = _steps_per_program(row_tiles, col_tiles, mosaic.num_sms(num_sms))
   kernel = functools.partial(
     _transpose_kernel, steps=steps, stages=min(steps, stages), scaled=scaled
   )

@@ -165,7 +165,8 @@ class BlockSizes:
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   dq_from_ds: bool | None = None  # dQ from stored dS^T (`use_dq_from_ds`)
   fold_heads: bool = True  # short query sides: heads into rows (op.py)
-  num_sms: int = 132  # H200; persistent CTAs = about this many
+  num_sms: int | None = None  # persistent CTAs = about this many (None:
+  # the GPU's SMs, `mosaic.num_sms`)
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -382,7 +383,9 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
   if bs.dkv_split is not None:
     return bs.dkv_split
   tiles = max(seqs, kv_rows // DKV_ROWS, 1)
-  return max(1, min(MAX_DKV_SPLIT, bs.num_sms // (kv_heads * tiles)))
+  return max(
+    1, min(MAX_DKV_SPLIT, mosaic.num_sms(bs.num_sms) // (kv_heads * tiles))
+  )
 
 
 # --------------------------------------------------------------------------
@@ -455,7 +458,7 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
   cuDNN with 3 parts, 1.43x with 4 (an earlier day's run)."""
   if bs.kv_split is not None:
     return bs.kv_split
-  workers = -(-bs.num_sms // groups)
+  workers = -(-mosaic.num_sms(bs.num_sms) // groups)
   if num_items >= 2 * workers:
     return 1
   mean_tiles = kv_rows // max(seqs, 1) // bs.block_kv
@@ -513,7 +516,7 @@ def _deal_query_table(items, num_real, parts: int, groups: int, bs, mcs):
   items (fewer when there are not two runs per CTA). Returns (CTAs per
   group, table, real items per CTA)."""
   num = parts * items.shape[0]
-  workers = schedule.persistent_workers(groups, bs.num_sms, num)
+  workers = schedule.persistent_workers(groups, mosaic.num_sms(bs.num_sms), num)
   chunk = max(1, min(bs.deal_chunk, num // (2 * workers)))
   wt, counts = work_table(items, num_real, parts, workers, chunk, mcs)
   return workers, wt, counts

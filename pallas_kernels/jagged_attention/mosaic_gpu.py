@@ -145,7 +145,8 @@ class BlockSizes:
   bwd_registers: int = 232  # backward consumers' registers (the producer
   # gets 504 - 2x this: 40, or 24 with FA3's 240)
   fold_heads: bool = True  # non-causal short query sides: heads into rows
-  num_sms: int = 132  # H200; persistent CTAs = about this many
+  num_sms: int | None = None  # persistent CTAs = about this many (None:
+  # the GPU's SMs, `mosaic.num_sms`)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -562,7 +563,9 @@ def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
   if not persistent:
     dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
     return num_items, dealt, real.astype(jnp.int32)
-  workers = schedule.persistent_workers(groups, bs.num_sms, num_items)
+  workers = schedule.persistent_workers(
+    groups, mosaic.num_sms(bs.num_sms), num_items
+  )
   num_real = jnp.sum(real).astype(jnp.int32)
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
   return workers, dealt, counts
@@ -904,7 +907,7 @@ def backward_dq(
   hold other rows' sums (finite); every consumer multiplies them by
   `P = 0`.
 
-  Persistent, like the forward: about 132 CTAs over the head pairs walk
+  Persistent, like the forward: about one CTA per SM over the head pairs walk
   the dealt item list (`_deal_items`); the producer's K/V ring runs on
   across items, the consumers load the next item's Q, dO, O and lse right
   after the item's last `S`/`dP` wgmmas (O and lse were consumed at the
@@ -1193,7 +1196,7 @@ def backward_dkv(
   come from the forward's zero-filled side tiles `k_side` (same 128-row
   grid). Their `dS` is not zero (`P = 2^(-lse)`), but `dS 0 = 0`.
 
-  Persistent (fused or not): about 132 CTAs over the KV heads walk the
+  Persistent (fused or not): about one CTA per SM over the KV heads walk the
   dealt key-tile list; the producer's Q/dO/lse/delta ring runs on across
   items (global step count, which also picks the dS buffer), each consumer
   loads the next item's K/V rows right after its key loop (fused: once

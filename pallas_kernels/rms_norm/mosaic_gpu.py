@@ -105,7 +105,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fp8_format
 
-H200_NUM_SMS = 132
 # The fused FP8 output's block: 1x128 ("deepseek" activations).
 QUANT_BLOCK = 128
 # Shared memory we let one block use (the H200 allows 227 KiB per block).
@@ -309,7 +308,7 @@ def _wide_rows(bs: BlockSizes, t: int, d: int, itemsize: int) -> BlockSizes:
     direct_loads=True,
     warps_per_row=bs.warps_per_row or 2,
     block_rows=bs.block_rows or rows,
-    num_blocks=bs.num_blocks or 2 * H200_NUM_SMS,
+    num_blocks=bs.num_blocks or 2 * mosaic.num_sms(),
   )
 
 
@@ -346,7 +345,7 @@ def make_config(
   bs = dataclasses.replace(
     bs,
     direct_loads=bool(bs.direct_loads),
-    num_blocks=bs.num_blocks or H200_NUM_SMS,
+    num_blocks=bs.num_blocks or mosaic.num_sms(),
     out_slots=bs.out_slots or (4 if plain_fwd else 2),
     max_stages=bs.max_stages or (2 if plain_fwd else 4),
   )

@@ -1,0 +1,72 @@
+"""Persistent kernels size their grids to the GPU they run on.
+
+Each persistent kernel launches about one CTA per SM and deals its work
+list over them. The SM count comes from the device (`mosaic.num_sms`): a
+fixed 132 (H100 / H200 SXM) on a Hopper with fewer SMs would leave the
+CTAs past the SM count to a second wave. Off-GPU (interpret mode, lowering
+for CUDA on this host) it is 132. A fake GPU device stands in for one here.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import mosaic
+from pallas_kernels.fp8 import matmul_mgpu
+from pallas_kernels.jagged_attention import mosaic_gpu as jagged_mg
+from pallas_kernels.rms_norm import mosaic_gpu as rms_mg
+
+
+@dataclasses.dataclass
+class _FakeGpu:
+  core_count: int
+  platform: str = "gpu"
+
+
+@pytest.fixture
+def h20(monkeypatch):
+  """This process's first device: a 78-SM GPU (an H20)."""
+  monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGpu(78)])
+  return 78
+
+
+def test_sm_count_off_gpu_and_given():
+  assert jax.local_devices()[0].platform == "cpu"
+  assert mosaic.num_sms() == mosaic.HOPPER_SMS == 132
+  assert mosaic.num_sms(5) == 5
+
+
+def test_persistent_grids_follow_the_gpu(h20):
+  assert mosaic.num_sms() == h20
+  assert mosaic.num_sms(3) == 3  # a caller's count wins
+
+  # Jagged attention: 8 query heads over 2 KV heads, CTAs per KV head.
+  q_off = jnp.array([0, 1500, 1600, 4000], jnp.int32)
+  items, _ = jagged_mg.query_items(
+    q_off, q_off, 4096, block_q=64, block_kv=128, causal=False
+  )
+  bs = jagged_mg.BlockSizes()
+  workers, _, counts = jagged_mg._deal_items(items, 2, True, bs)
+  assert workers == h20 // 2
+  assert int(counts.sum()) == int((items[:, 2] > items[:, 1]).sum())
+  workers, *_ = jagged_mg._deal_items(
+    items, 2, True, dataclasses.replace(bs, num_sms=132)
+  )
+  assert workers == 66
+
+  # RMSNorm: one block per SM (two with the wide-row loads).
+  def blocks(d):
+    cfg = rms_mg.make_config(
+      262_144, d, jnp.bfloat16, None, True, 1e-6, None, False, bwd=False
+    )
+    return cfg.num_blocks
+
+  assert (blocks(512), blocks(2048)) == (h20, 2 * h20)
+
+  # FP8 split-K: a 64-tile weight gradient fills 78 SMs without a split
+  # (it took 2 runs on 132).
+  bs8 = matmul_mgpu.BlockSizes()
+  assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8) == 1
+  assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8, num_sms=132) == 2
