@@ -1,7 +1,8 @@
 """Choosing an implementation: one switch shared by every op.
 
-`implementation=None` picks the fastest correct one for the platform; a user
-can force one by name. Each op registers its implementations in a dict
+`implementation=None` picks the fastest correct one for the platform (the
+Mosaic GPU kernels on a Hopper GPU, else the reference); a user can force
+one by name. Each op registers its implementations in a dict
 `name -> callable`, with "xla" (the plain `jnp` reference) always present.
 """
 
@@ -10,8 +11,15 @@ from collections.abc import Callable, Mapping
 import jax
 
 
-def default_backend() -> str:
-  return jax.default_backend()
+def hopper() -> bool:
+  """Whether this process runs on a Hopper GPU (CUDA compute capability
+  9.0: H100, H200, H20, H800), the one the Mosaic GPU kernels are written
+  for (wgmma, TMA, warp specialization). Other GPUs (an A100, a Blackwell)
+  take the XLA references by default instead of failing to compile."""
+  if jax.default_backend() != "gpu":
+    return False
+  dev = jax.local_devices()[0]
+  return getattr(dev, "compute_capability", None) == "9.0"
 
 
 def pick(
@@ -21,7 +29,7 @@ def pick(
   gpu_default: str,
 ) -> Callable:
   if implementation is None:
-    implementation = gpu_default if default_backend() == "gpu" else "xla"
+    implementation = gpu_default if hopper() else "xla"
     if implementation not in implementations:
       implementation = "xla"
   try:

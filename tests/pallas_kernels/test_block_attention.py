@@ -281,7 +281,7 @@ def test_sliding_window_reference_matches_dense():
 def test_dispatch():
   assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
   fn = dispatch.pick("block_attention", IMPLEMENTATIONS, None, "mosaic")
-  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  want = "mosaic" if dispatch.hopper() else "xla"
   assert fn is IMPLEMENTATIONS[want]
   off = np.array([0, 3, 4], np.int32)
   x = jax.random.normal(jax.random.key(0), (4, 2, 8))

@@ -1,10 +1,12 @@
-"""Persistent kernels size their grids to the GPU they run on.
+"""The kernels follow the GPU they run on.
 
-Each persistent kernel launches about one CTA per SM and deals its work
-list over them. The SM count comes from the device (`mosaic.num_sms`): a
-fixed 132 (H100 / H200 SXM) on a Hopper with fewer SMs would leave the
-CTAs past the SM count to a second wave. Off-GPU (interpret mode, lowering
-for CUDA on this host) it is 132. A fake GPU device stands in for one here.
+The Mosaic GPU kernels are written for Hopper: on another GPU the ops'
+default is the XLA reference (`dispatch.hopper`). Each persistent kernel
+launches about one CTA per SM and deals its work list over them. The SM
+count comes from the device (`mosaic.num_sms`): a fixed 132 (H100 / H200
+SXM) on a Hopper with fewer SMs would leave the CTAs past the SM count to a
+second wave. Off-GPU (interpret mode, lowering for CUDA on this host) it is
+132. A fake GPU device stands in for one here.
 """
 
 import dataclasses
@@ -13,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import mosaic
+import pallas_kernels
+from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import matmul_mgpu
 from pallas_kernels.jagged_attention import mosaic_gpu as jagged_mg
 from pallas_kernels.rms_norm import mosaic_gpu as rms_mg
@@ -22,19 +25,44 @@ from pallas_kernels.rms_norm import mosaic_gpu as rms_mg
 @dataclasses.dataclass
 class _FakeGpu:
   core_count: int
+  compute_capability: str = "9.0"
   platform: str = "gpu"
+
+
+def _on(monkeypatch, device):
+  """This process's first device is `device`, its backend the GPU's."""
+  monkeypatch.setattr(jax, "local_devices", lambda: [device])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
 
 @pytest.fixture
 def h20(monkeypatch):
-  """This process's first device: a 78-SM GPU (an H20)."""
-  monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGpu(78)])
+  """A 78-SM Hopper (an H20)."""
+  _on(monkeypatch, _FakeGpu(78))
   return 78
 
 
-def test_sm_count_off_gpu_and_given():
-  assert jax.local_devices()[0].platform == "cpu"
-  assert mosaic.num_sms() == mosaic.HOPPER_SMS == 132
+@pytest.mark.parametrize(
+  "capability,want", [("9.0", "mosaic"), ("8.0", "xla"), ("10.0", "xla")]
+)
+def test_default_is_mosaic_only_on_hopper(monkeypatch, capability, want):
+  impls = {"xla": object(), "mosaic": object()}
+  _on(monkeypatch, _FakeGpu(108, capability))  # e.g. an A100: 8.0
+  assert dispatch.pick("op", impls, None, "mosaic") is impls[want]
+  assert dispatch.pick("op", impls, "mosaic", "mosaic") is impls["mosaic"]
+  # The public ops run on such a GPU by default (here: the reference).
+  if want == "xla":
+    x = jnp.ones((4, 2, 64), jnp.bfloat16)
+    out = pallas_kernels.jagged_attention(
+      x, x[:, :1], x[:, :1], jnp.array([0, 4], jnp.int32)
+    )
+    assert out.shape == x.shape
+
+
+def test_sm_count_of_this_device():
+  dev = jax.local_devices()[0]
+  on_gpu = dev.platform == "gpu"
+  assert mosaic.num_sms() == (dev.core_count if on_gpu else 132)
   assert mosaic.num_sms(5) == 5
 
 

@@ -27,7 +27,7 @@ import pytest
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import fp8
+from pallas_kernels import dispatch, fp8
 from pallas_kernels.fp8 import format as fmt
 from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
 from pallas_kernels.fp8 import op as fp8_op
@@ -1087,9 +1087,7 @@ def test_gpu_quantizing_gemm_equals_quantize_first(m, k, n):
 def test_dispatch_picks_xla_on_cpu():
   assert (
     fp8_op._pick(None)
-    is fp8_op.IMPLEMENTATIONS[
-      "mosaic" if jax.default_backend() == "gpu" else "xla"
-    ]
+    is fp8_op.IMPLEMENTATIONS["mosaic" if dispatch.hopper() else "xla"]
   )
   with pytest.raises(ValueError, match="unknown implementation"):
     fp8_op._pick("triton")

@@ -331,7 +331,7 @@ def test_deal_covers_every_item_once():
 def test_dispatch():
   assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
   fn = dispatch.pick("gdpa", IMPLEMENTATIONS, None, "mosaic")
-  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  want = "mosaic" if dispatch.hopper() else "xla"
   assert fn is IMPLEMENTATIONS[want]
   off = np.array([0, 4], np.int32)
   x = jnp.ones((4, 2, 8), jnp.float32)  # head dim 8: kernels do not apply

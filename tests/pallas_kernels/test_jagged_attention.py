@@ -431,7 +431,7 @@ def test_window_work_lists_reach_exactly_the_visible_pairs(
 def test_dispatch():
   assert set(IMPLEMENTATIONS) == {"xla", "mosaic"}
   fn = dispatch.pick("jagged_attention", IMPLEMENTATIONS, None, "mosaic")
-  want = "mosaic" if jax.default_backend() == "gpu" else "xla"
+  want = "mosaic" if dispatch.hopper() else "xla"
   assert fn is IMPLEMENTATIONS[want]
   # f32 activations are not a Mosaic shape: the default falls back to XLA.
   q32 = jnp.ones((4, 2, 64), jnp.float32)
