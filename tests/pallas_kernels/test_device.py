@@ -49,7 +49,12 @@ def test_default_is_mosaic_only_on_hopper(monkeypatch, capability, want):
   impls = {"xla": object(), "mosaic": object()}
   _on(monkeypatch, _FakeGpu(108, capability))  # e.g. an A100: 8.0
   assert dispatch.pick("op", impls, None, "mosaic") is impls[want]
-  assert dispatch.pick("op", impls, "mosaic", "mosaic") is impls["mosaic"]
+  assert dispatch.pick("op", impls, "xla", "mosaic") is impls["xla"]
+  if want == "mosaic":
+    assert dispatch.pick("op", impls, "mosaic", "mosaic") is impls["mosaic"]
+  else:  # asking for the kernels there: a clear error, not a compile one
+    with pytest.raises(ValueError, match=f"Hopper.*is {capability}"):
+      dispatch.pick("op", impls, "mosaic", "mosaic")
   # The public ops run on such a GPU by default (here: the reference).
   if want == "xla":
     x = jnp.ones((4, 2, 64), jnp.bfloat16)
