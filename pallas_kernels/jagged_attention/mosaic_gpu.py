@@ -170,7 +170,15 @@ class BlockSizes:
     pipelined backward step (`bwd_pipeline`) is 8% (D64) / 4% (D128)
     faster than the serial one; 240/24 registers and the fused own-half dQ
     measured no better (session 5); a 3-stage backward ring is 2.5% slower
-    at D64 and does not fit the D128 dQ kernel (233,584 > 232,448 B)."""
+    at D64 and does not fit the D128 dQ kernel (233,584 > 232,448 B).
+    dK/dV steps over two query heads of the group at once (128 query
+    columns: N=128 wgmmas, half the steps and waits; a development run,
+    2026-12-01, fwd+bwd timed in alternation, same outputs) were slower:
+    D64 log-normal 1.089 ms (0.993 with 240 registers) against 0.974,
+    all-2,048 2.669 (2.438) against 2.396, D128 unfused 2.103 against
+    1.500; the score and dP tiles double, and 240 registers won back
+    most of the loss, so register pressure is the likely cause (spills
+    not read from the SASS). Dropped."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False)
