@@ -177,8 +177,11 @@ class BlockSizes:
     D64 log-normal 1.089 ms (0.993 with 240 registers) against 0.974,
     all-2,048 2.669 (2.438) against 2.396, D128 unfused 2.103 against
     1.500; the score and dP tiles double, and 240 registers won back
-    most of the loss, so register pressure is the likely cause (spills
-    not read from the SASS). Dropped."""
+    most of the loss. Forming dS from P rounded to bf16 (so the f32 P
+    dies before dP lands) did not help either (same day, log-normal /
+    all-2,048: 1.041 / 2.622 ms with one head, 1.221 / 3.047 with two,
+    1.164 / 2.877 with two and 240 registers, against 0.966 / 2.399;
+    dQ and dK errors 0.0030 against 0.0024). Dropped."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False)
