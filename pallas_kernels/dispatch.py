@@ -32,14 +32,17 @@ def pick(
     implementation = gpu_default if hopper() else "xla"
     if implementation not in implementations:
       implementation = "xla"
-  elif implementation == "mosaic" and jax.default_backend() == "gpu":
-    if not hopper():
-      cc = getattr(jax.local_devices()[0], "compute_capability", "unknown")
-      raise ValueError(
-        f"{op}: the Mosaic GPU kernels need a Hopper GPU (compute "
-        f"capability 9.0), this one's is {cc}; implementation=None or "
-        "'xla' runs the reference here"
-      )
+  elif (
+    implementation == "mosaic"
+    and jax.default_backend() == "gpu"
+    and not hopper()
+  ):
+    cc = getattr(jax.local_devices()[0], "compute_capability", "unknown")
+    raise ValueError(
+      f"{op}: the Mosaic GPU kernels need a Hopper GPU (compute "
+      f"capability 9.0), this one's is {cc}; implementation=None or "
+      "'xla' runs the reference here"
+    )
   try:
     return implementations[implementation]
   except KeyError:

@@ -502,6 +502,18 @@ def _grads(dv, dk, p_s, ds_s, q_t, do_t, k_t, static):
   return out[:parts], out[parts : 2 * parts], list(out[2 * parts :])
 
 
+def _deal(items, num_real, kh, static):
+  """(CTAs per KV head, `int32[w, j]` tile of each CTA's j-th turn,
+  `int32[w]` turns per CTA): about one CTA per SM over the `kh` KV heads,
+  the tiles (equal work) dealt zig-zag."""
+  num_items = items.shape[0]
+  workers = schedule.persistent_workers(
+    kh, mosaic.num_sms(static.block_sizes.num_sms), num_items
+  )
+  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  return workers, dealt, counts
+
+
 def _heads_of(wg, group, nwg):
   return [g for g in range(group) if g % nwg == wg]
 
@@ -526,11 +538,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   rot_dtype = jnp.float32 if static.block_sizes.rope_f32 else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
-  num_items = items.shape[0]
-  workers = schedule.persistent_workers(
-    kh, mosaic.num_sms(static.block_sizes.num_sms), num_items
-  )
-  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  workers, dealt, counts = _deal(items, num_real, kh, static)
   heads_of = [_heads_of(wg, group, nwg) for wg in range(nwg)]
   jobs = [len(heads) for heads in heads_of]
 
@@ -759,11 +767,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   scale = static.scale
-  num_items = items.shape[0]
-  workers = schedule.persistent_workers(
-    kh, mosaic.num_sms(static.block_sizes.num_sms), num_items
-  )
-  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  workers, dealt, counts = _deal(items, num_real, kh, static)
 
   def kernel(items_ref, deal_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
              *rest):  # fmt: skip

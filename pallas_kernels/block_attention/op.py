@@ -19,14 +19,11 @@ from pallas_kernels import dispatch
 from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
-  _prepare,
   block_attention_reference,
-  positions,
-  rope_reference,
+  prepare,
   sliding_window_reference,
 )
 from pallas_kernels.jagged_attention.op import jagged_attention
-from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
 KERNEL_BLOCKS = (32, 64)
@@ -88,28 +85,20 @@ def block_attention_mosaic(
   `interpret=None` compiles on a GPU and runs GPU interpret mode
   elsewhere; `False` always compiles.
   """
-  t, n, h = q_tnh.shape
-  _, kh, _ = k_tkh.shape
-  if n % kh:
-    raise ValueError(f"query heads {n} must be a multiple of KV heads {kh}")
-  if k_tkh.shape[0] != t or v_tkh.shape[0] != t:
-    raise ValueError("block attention is self-attention: same rows")
+  h = q_tnh.shape[-1]
   why = supported(q_tnh, k_tkh, v_tkh, block)
   if why:
     raise ValueError(f"mosaic block attention: {why}")
-  max_len = t if max_len is None else max_len
-  check_offsets(offsets, t, "offsets", max_len)
   if interpret is None and jax.default_backend() != "gpu":
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:
     interpret = None
-  offsets = jnp.asarray(offsets, jnp.int32)
+  # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
   fused_rope = rope is not None and h == 2 * mg.PART
-  if rope is not None and not fused_rope:
-    # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
-    pos = positions(offsets, t)
-    q_tnh = rope_reference(q_tnh, pos, rope)
-    k_tkh = rope_reference(k_tkh, pos, rope)
+  q_tnh, k_tkh, offsets, _ = prepare(
+    q_tnh, k_tkh, v_tkh, offsets, None if fused_rope else rope, max_len,
+    "block attention",
+  )  # fmt: skip
   static = mg._Static(
     block=block,
     causal=causal,
@@ -209,8 +198,8 @@ def sliding_window_attention(
       scale=scale,
       max_len=max_len,
     )
-  q_tnh, k_tkh, offsets, max_len = _prepare(
-    q_tnh, k_tkh, offsets, rope, max_len, "sliding_window"
+  q_tnh, k_tkh, offsets, max_len = prepare(
+    q_tnh, k_tkh, v_tkh, offsets, rope, max_len, "sliding_window"
   )
   return jagged_attention(
     q_tnh,

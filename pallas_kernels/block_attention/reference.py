@@ -60,13 +60,16 @@ def rope_reference(x_tnh, pos_t, theta: float):
   return out.astype(x_tnh.dtype)
 
 
-def _prepare(q_tnh, k_tkh, offsets, rope, max_len, name):
+def prepare(q_tnh, k_tkh, v_tkh, offsets, rope, max_len, name):
+  """The checks of a self-attention op over `offsets` (GQA heads, the
+  same rows in Q, K and V, `max_len` on concrete offsets) and RoPE (if
+  `rope`) at in-sequence positions: (q, k, int32 offsets, max_len)."""
   t, n, h = q_tnh.shape
   _, kh, _ = k_tkh.shape
   if n % kh:
     raise ValueError(f"query heads {n} must be a multiple of KV heads {kh}")
-  if k_tkh.shape[0] != t:
-    raise ValueError(f"{name} is self-attention: q and k need the same rows")
+  if k_tkh.shape[0] != t or v_tkh.shape[0] != t:
+    raise ValueError(f"{name} is self-attention: q, k, v need the same rows")
   max_len = t if max_len is None else max_len
   check_offsets(offsets, t, "offsets", max_len)
   offsets = jnp.asarray(offsets, jnp.int32)
@@ -102,8 +105,8 @@ def block_attention_reference(
   """Softmax attention inside fixed `block`-position blocks (docstring)."""
   if block not in BLOCKS:
     raise ValueError(f"block={block}: one of {BLOCKS}")
-  q_tnh, k_tkh, offsets, max_len = _prepare(
-    q_tnh, k_tkh, offsets, rope, max_len, "block_attention"
+  q_tnh, k_tkh, offsets, max_len = prepare(
+    q_tnh, k_tkh, v_tkh, offsets, rope, max_len, "block_attention"
   )
   t, n, h = q_tnh.shape
   kh = k_tkh.shape[1]
@@ -143,8 +146,8 @@ def sliding_window_reference(
 ):
   """Softmax attention to the keys within `window` positions (docstring)."""
   check_window(window)
-  q_tnh, k_tkh, offsets, max_len = _prepare(
-    q_tnh, k_tkh, offsets, rope, max_len, "sliding_window"
+  q_tnh, k_tkh, offsets, max_len = prepare(
+    q_tnh, k_tkh, v_tkh, offsets, rope, max_len, "sliding_window"
   )
   t, n, h = q_tnh.shape
   kh = k_tkh.shape[1]

@@ -206,8 +206,7 @@ def test_sliding_window_interpret(window, causal, block_sizes):
 def test_window_reference_matches_banded_reference():
   """The jagged reference's window equals the block module's banded XLA
   sliding window (two independent formulations), causal and not."""
-  lens = [70, 0, 1, 130, 9]
-  off = cases.offsets(lens)
+  off = cases.offsets(SELF_LENS)
   t = int(off[-1]) + 3
   q, k, v, _ = cases.inputs(5, t, t, 4, 2, 16, jnp.float32)
   for causal in (False, True):
