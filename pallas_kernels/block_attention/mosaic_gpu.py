@@ -50,8 +50,8 @@ position inside the tile (`r < 64`) instead of the one in the sequence
 table (`rope_table`) serves every tile: it is loaded into shared memory
 once per CTA, and the forward keeps its cos and sin (in the input dtype
 by default, `BlockSizes.rope_f32`) in registers for the whole kernel (the
-backward, whose registers hold dK and dV, reads it from shared memory
-where it rotates). Rotating at sequence positions cost a per-tile angle
+backward, whose registers hold the gradients, reads it from shared
+memory where it rotates). Rotating at sequence positions cost a per-tile angle
 addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
@@ -84,9 +84,10 @@ warpgroup streams each tile's K, V, RoPE rows and the query tiles of the
 relayout (or load into registers) is done, the next tile's loads overlap
 the current tile's math.
 Forward: two consumer warpgroups split the query heads (and the K / V
-relayout). Backward: one consumer warpgroup walks the `g` heads and keeps
-dK and dV in registers (the GQA reduction stays in the kernel, O7), with
-the next head's Q and dO landing in a ring meanwhile (see `backward`).
+relayout). Backward: two consumer warpgroups walk the `g` heads of each
+tile together, one keeping dV and the other dK in registers (the GQA
+reduction stays in the kernel, O7), with the next head's Q and dO
+landing meanwhile (see `backward`).
 
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
@@ -236,8 +237,9 @@ def _bwd_smem(h, rope, dtype_bytes=2):
     + (_CS_BYTES if rope else 0)
     + 2 * BWD_QD_STAGES * tile  # Q, dO raw (a ring)
     + 2 * tile  # Q, dO tiled
-    # output staging (swizzled or plain), aliased with P and dX
+    # P and dS, aliased with dK's staging (swizzled or plain)
     + max(tile, 2 * TILE * TILE * dtype_bytes)
+    + tile  # dQ's and dV's staging (swizzled or plain)
   )
 
 
@@ -470,36 +472,47 @@ def _scores_and_dp(q_t, k_t, do_t, v_t, mid, static):
   return pl.run_scoped(scoped, acc, acc)
 
 
-def _grads(dv, dk, p_s, ds_s, q_t, do_t, k_t, static):
-  """`(dV + P^T dO, dK + dS^T Q, dS K)` as column parts, every wgmma in
-  flight together (one wait). Interpret mode: `mosaic.accumulate`."""
+def _grads_vq(dv, p_s, ds_s, do_t, k_t, static):
+  """`(dV + P^T dO, dS K)` as column parts, every wgmma in flight together
+  (one wait). Interpret mode: `mosaic.accumulate`."""
   parts = len(dv)
   if static.interpret is not None:
     acc = lambda a, x, y: mosaic.accumulate(a, x, y, static.interpret)  # noqa: E731
     dv = tuple(
       acc(a, p_s.transpose((1, 0)), _part(do_t, i)) for i, a in enumerate(dv)
     )
-    dk = tuple(
-      acc(a, ds_s.transpose((1, 0)), _part(q_t, i)) for i, a in enumerate(dk)
-    )
     dq = [
       mosaic.matmul(ds_s, _part(k_t, i), (TILE, dv[0].shape[1]))
       for i in range(parts)
     ]
-    return dv, dk, dq
+    return dv, dq
 
   def body(refs):
     for i in range(parts):
       plgpu.wgmma(refs[i], p_s.transpose((1, 0)), _part(do_t, i))
     for i in range(parts):
-      plgpu.wgmma(refs[parts + i], ds_s.transpose((1, 0)), _part(q_t, i))
-    for i in range(parts):
-      plgpu.wgmma(refs[2 * parts + i], ds_s, _part(k_t, i))
+      plgpu.wgmma(refs[parts + i], ds_s, _part(k_t, i))
 
   zeros = [_zeros(dv[0].shape) for _ in range(parts)]
-  init = tuple(plgpu.ACC.init(a) for a in (*dv, *dk, *zeros))
+  init = tuple(plgpu.ACC.init(a) for a in (*dv, *zeros))
   out = pl.run_state(body)(init)
-  return out[:parts], out[parts : 2 * parts], list(out[2 * parts :])
+  return out[:parts], list(out[parts:])
+
+
+def _grad_k(dk, ds_s, q_t, static):
+  """`dK + dS^T Q` as column parts (one wait)."""
+  if static.interpret is not None:
+    return tuple(
+      mosaic.accumulate(a, ds_s.transpose((1, 0)), _part(q_t, i),
+                        static.interpret)
+      for i, a in enumerate(dk)
+    )  # fmt: skip
+
+  def body(refs):
+    for i in range(len(dk)):
+      plgpu.wgmma(refs[i], ds_s.transpose((1, 0)), _part(q_t, i))
+
+  return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in dk)))
 
 
 def _deal(items, num_real, kh, static):
@@ -735,25 +748,33 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 
 
 # --------------------------------------------------------------------------
-# Backward: one consumer warpgroup per CTA walks the query heads of its KV
-# head, recomputes P, and keeps dK, dV in registers for the whole tile.
-# Per head: `Q K^T` and `dO V^T` in flight together (the softmax runs
-# while the second computes), then dV, dK and dQ's wgmmas together, one
-# wait (`_scores_and_dp`, `_grads`); the producer fills a ring of
-# `BWD_QD_STAGES` raw (Q, dO) slots, which fits because P and dX share the
-# output staging buffer. H200 (a development run, 2026-12-01, the
-# benchmark's batches, backward kernel alone, per set, timed in
-# alternation, bit-identical outputs): 426 against 481 us at all-2,048,
-# 257 against 279 us log-normal for the earlier one (one raw slot, every
-# wgmma waited for; the batched wgmmas alone: 470 / 276 us). Its bytes
-# take about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO read and
-# dQ, dK, dV written once: 8 KiB a token, 537 MB): one warpgroup doing
-# the relayouts, the softmax and the stores between its matmuls is what
-# bounds it. A second consumer warpgroup (its own tiled Q and dO, P and
-# dX, one shared raw slot) would need about 240 KB by our count, over
-# the 223 KB a kernel's buffers may take (`mosaic.SMEM_LIMIT`).
+# Backward: two consumer warpgroups per CTA share each tile and split the
+# work of every query head by role, so each keeps one gradient in
+# registers for the whole tile:
+#   warpgroup 0 relayouts K and Q (RoPE), computes P (`Q K^T`, softmax),
+#     writes it to shared memory, then `dV += P^T dO` and `dQ = dS K`,
+#     and stores dQ (RoPE backward in its epilogue) and, at the tile's
+#     end, dV;
+#   warpgroup 1 relayouts V and dO, computes P again and `dO V^T` (both
+#     wgmmas in flight, `_scores_and_dp`), `delta` and dS, writes dS, then
+#     `dK += dS^T Q`, and stores dK (RoPE backward) at the tile's end.
+# Three barriers between the two per head: Q and dO in place, P and dS in
+# place, every wgmma that reads them done. Each computes `Q K^T` (two
+# small wgmmas) rather than pass P or dS in f32 through shared memory.
+# H200 (a development run, 2026-12-01, the benchmark's batches, backward
+# kernel alone, per set, timed in alternation, bit-identical outputs):
+# 166 against 275 us log-normal (123 against 261 with RoPE left out)
+# for the kernel before, one consumer warpgroup holding dK, dV and dQ at
+# once: past its 240 registers, ptxas spilled 648 bytes a thread (980
+# bytes of reloads). At all-2,048, 276 us (the kernel before: 426 us in
+# an earlier run that day, not timed beside it). Here ptxas still
+# reports 352 / 468 bytes (148 / 220 without RoPE); 240 registers for
+# the consumers and 24 for the producer measured no better (284 / 166 us).
+# Its bytes take about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO
+# read and dQ, dK, dV written once: 8 KiB a token).
 
-BWD_QD_STAGES = 2  # raw (Q, dO) slots: the next head's land meanwhile
+BWD_QD_STAGES = 1  # raw (Q, dO) slots (each warpgroup frees its half
+# right after its relayout, so the next head's load has a head's time)
 
 
 def backward(q, k, v, do, cs, items, num_real, static: _Static):
@@ -777,12 +798,13 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       dq_ref, dk_ref, dv_ref, *scratch = rest
       cs_ref = None
     (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
-    (stage, csm) = scratch[8:10]
-    (kv_bar, cs_bar, raw_free, qd_bar, qd_free) = scratch[10:]
-    # P and dX share the output staging buffer: they are dead (their
-    # wgmmas waited for) before an output is staged, and the staged
-    # output's store has read it before the next head's P is written.
-    staging, (p_s, ds_s) = tuple(stage[:2]), stage[2]
+    (stage_k, stage_vq, csm) = scratch[8:11]
+    (kv_bar, cs_bar, raw_free, qd_bar, qd_free, sync) = scratch[11:]
+    # P and dS share dK's staging buffer: dK is staged after the tile's
+    # last head (its P and dS read), and the next P is written after
+    # warpgroup 1 saw that store read it (before the first barrier).
+    staging_k, (p_s, ds_s) = tuple(stage_k[:2]), stage_k[2]
+    staging_vq = (stage_vq[0], stage_vq[1])
     w = lax.axis_index("workers")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -792,58 +814,83 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       it = deal_ref[w, j]
       return [items_ref[it, f] for f in range(3)]
 
-    @pl.when(wg == 0)
-    def _consumer():
-      plgpu.set_max_registers(240, action="increase")
+    def stage_out(xs, staging, dst_ref, row, head, count):
+      """f32 parts -> packed rows (see `_store_tile`)."""
+      xs = [x.astype(dtype) for x in xs]
+      _store_tile(xs, staging, dst_ref, row, head, count)
 
-      def stage_out(xs, dst_ref, row, head, count):
-        """f32 parts -> packed rows (see `_store_tile`)."""
-        xs = [x.astype(dtype) for x in xs]
-        _store_tile(xs, staging, dst_ref, row, head, count)
+    def sync_wgs(i):
+      plgpu.barrier_arrive(sync.at[i])
+      plgpu.barrier_wait(sync.at[i])
 
+    def rotation():
+      return _cos_sin(csm, rot_dtype) if rope else None
+
+    def run(wg_i):
       def body(j, _):
         row, valid, tail = item(j)
         keep = (1 - tail).astype(jnp.float32)
         plgpu.barrier_wait(kv_bar)
-        _relayout(v_raw, v_t, keep_rows=valid)
-        rot = _cos_sin(csm, rot_dtype) if rope else None
-        _relayout(k_raw, k_t, rot=rot, keep_rows=valid)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(raw_free)
-        dk = tuple(_zeros((TILE, hp)) for _ in range(parts))
-        dv = tuple(_zeros((TILE, hp)) for _ in range(parts))
+        if wg_i == 0:
+          _relayout(k_raw, k_t, rot=rotation(), keep_rows=valid)
+        else:
+          _relayout(v_raw, v_t, keep_rows=valid)
+        mosaic.release(raw_free)
+        acc = tuple(_zeros((TILE, hp)) for _ in range(parts))  # dV or dK
 
-        def head_step(g, carry):
-          dk, dv = carry
+        def head_step(g, acc):
           slot = lax.rem(j * group + g, BWD_QD_STAGES)
           plgpu.barrier_wait(qd_bar.at[slot])
-          rot = _cos_sin(csm, rot_dtype) if rope else None
-          _relayout(q_raw.at[slot], q_t, rot=rot)
-          _relayout(do_raw.at[slot], do_t, keep_rows=valid)
+          if wg_i == 0:
+            _relayout(q_raw.at[slot], q_t, rot=rotation())
+          else:
+            _relayout(do_raw.at[slot], do_t, keep_rows=valid)
+            # dK's staging (P and dS) read by its store.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          mosaic.release(qd_free.at[slot])
+          sync_wgs(0)  # Q, dO (and K, V) tiled; P and dS free
+          probs = lambda x: _probs(x * c, valid, static)  # noqa: E731
+          if wg_i == 0:
+            p_s[...] = probs(_scores(_all_parts(q_t), k_t, static)).astype(
+              dtype
+            )
+          else:
+            p, dp = _scores_and_dp(q_t, k_t, do_t, v_t, probs, static)
+            delta = (p * dp).sum(axis=1)
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            ds_s[...] = ds.astype(dtype)
           plgpu.commit_smem()
-          plgpu.barrier_arrive(qd_free.at[slot])
-          p, dp = _scores_and_dp(
-            q_t, k_t, do_t, v_t, lambda x: _probs(x * c, valid, static), static
-          )
-          delta = (p * dp).sum(axis=1)
-          ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # see `staging`
-          p_s[...] = p.astype(dtype)
-          ds_s[...] = ds.astype(dtype)
-          plgpu.commit_smem()
-          dv, dk, dq = _grads(dv, dk, p_s, ds_s, q_t, do_t, k_t, static)
-          if rope:
-            dq = _unrope(*dq, _cos_sin(csm))
-          out = [a * (scale * keep) for a in dq]
-          stage_out(out, dq_ref, row, kv_head * group + g, valid)
-          return dk, dv
+          sync_wgs(1)  # P and dS in place
+          if wg_i == 0:
+            acc, dq = _grads_vq(acc, p_s, ds_s, do_t, k_t, static)
+          else:
+            acc = _grad_k(acc, ds_s, q_t, static)
+          sync_wgs(2)  # Q, dO, P, dS (and K, V) read
+          if wg_i == 0:
+            if rope:
+              dq = _unrope(*dq, _cos_sin(csm))
+            out = [a * (scale * keep) for a in dq]
+            stage_out(out, staging_vq, dq_ref, row, kv_head * group + g, valid)
+          return acc
 
-        dk, dv = lax.fori_loop(0, group, head_step, (dk, dv))
-        # Epilogue: RoPE backward of dK, then one store of dK and dV.
-        if rope:
-          dk = _unrope(*dk, _cos_sin(csm))
-        stage_out([a * (scale * keep) for a in dk], dk_ref, row, kv_head, valid)
-        stage_out([a * keep for a in dv], dv_ref, row, kv_head, valid)
+        acc = lax.fori_loop(0, group, head_step, acc)
+        # Epilogue: one store of dV (warpgroup 0) or of dK (warpgroup 1,
+        # after its RoPE backward).
+        if wg_i == 0:
+          stage_out(
+            [a * keep for a in acc], staging_vq, dv_ref, row, kv_head, valid
+          )
+        else:
+          if rope:
+            acc = _unrope(*acc, _cos_sin(csm))
+          stage_out(
+            [a * (scale * keep) for a in acc],
+            staging_k,
+            dk_ref,
+            row,
+            kv_head,
+            valid,
+          )
         return 0
 
       if rope:  # the RoPE table, once for every tile
@@ -851,7 +898,13 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       lax.fori_loop(0, n_steps, body, 0)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == 1)
+    @pl.when(wg < 2)
+    def _consumers():
+      plgpu.set_max_registers(232, action="increase")
+      for wg_i in range(2):
+        pl.when(wg == wg_i)(lambda wg_i=wg_i: run(wg_i))
+
+    @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
       kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
@@ -890,6 +943,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   swizzled, tiled, plain = mosaic.smem_swizzled, mosaic.smem_tile, plgpu.SMEM
   tile = (parts * TILE, hp)
   ring = (BWD_QD_STAGES, *tile)
+  staging = lambda: (swizzled(tile, dtype), plain(tile, dtype))  # noqa: E731
   scratch = [
     swizzled(tile, dtype),
     swizzled(tile, dtype),
@@ -900,17 +954,18 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     tiled(tile, dtype),
     tiled(tile, dtype),
     plgpu.RefUnion(
-      swizzled(tile, dtype),
-      plain(tile, dtype),
+      *staging(),
       (tiled((TILE, TILE), dtype), tiled((TILE, TILE), dtype)),
     ),
+    plgpu.RefUnion(*staging()),
     swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,  # the RoPE table
-    plgpu.Barrier(),
+    plgpu.Barrier(num_arrivals=2),  # K and V raw released by both
     # Q and dO, per ring slot
     plgpu.Barrier(num_arrivals=2 * parts, num_barriers=BWD_QD_STAGES),
-    plgpu.Barrier(num_barriers=BWD_QD_STAGES),
+    plgpu.Barrier(num_arrivals=2, num_barriers=BWD_QD_STAGES),
+    plgpu.Barrier(num_arrivals=2, num_barriers=3),  # between the consumers
   ]
   args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
@@ -919,7 +974,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     scratch,
     [jax.ShapeDtypeStruct((t, n, h), dtype), kv_type, kv_type],
     (kh, workers),
-    1,
+    2,
     static,
     args,
   )
