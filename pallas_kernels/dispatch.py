@@ -10,16 +10,23 @@ from collections.abc import Callable, Mapping
 
 import jax
 
+# CUDA compute capability of Hopper, the GPU the Mosaic kernels are for.
+HOPPER_CAPABILITY = "9.0"
+
+
+def compute_capability() -> str | None:
+  """This process's GPU's CUDA compute capability ("9.0"), None off-GPU."""
+  if jax.default_backend() != "gpu":
+    return None
+  return getattr(jax.local_devices()[0], "compute_capability", "unknown")
+
 
 def hopper() -> bool:
   """Whether this process runs on a Hopper GPU (CUDA compute capability
   9.0: H100, H200, H20, H800), the one the Mosaic GPU kernels are written
   for (wgmma, TMA, warp specialization). Other GPUs (an A100, a Blackwell)
   take the XLA references by default instead of failing to compile."""
-  if jax.default_backend() != "gpu":
-    return False
-  dev = jax.local_devices()[0]
-  return getattr(dev, "compute_capability", None) == "9.0"
+  return compute_capability() == HOPPER_CAPABILITY
 
 
 def pick(
@@ -28,16 +35,12 @@ def pick(
   implementation: str | None,
   gpu_default: str,
 ) -> Callable:
+  cc = compute_capability()
   if implementation is None:
-    implementation = gpu_default if hopper() else "xla"
+    implementation = gpu_default if cc == HOPPER_CAPABILITY else "xla"
     if implementation not in implementations:
       implementation = "xla"
-  elif (
-    implementation == "mosaic"
-    and jax.default_backend() == "gpu"
-    and not hopper()
-  ):
-    cc = getattr(jax.local_devices()[0], "compute_capability", "unknown")
+  elif implementation == "mosaic" and cc not in (None, HOPPER_CAPABILITY):
     raise ValueError(
       f"{op}: the Mosaic GPU kernels need a Hopper GPU (compute "
       f"capability 9.0), this one's is {cc}; implementation=None or "

@@ -119,6 +119,13 @@ def release(barrier):
   plgpu.barrier_arrive(barrier)
 
 
+def meet(barrier):
+  """A rendezvous of the warpgroups that share `barrier` (one arrival
+  each): none goes on until all have arrived."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def produce_ring(total, stages: int, free, issue):
   """A producer's loop over `total` (dynamic) loads through a ring of
   `stages` slots: `issue(j, slot)` starts load `j` into `slot` once the

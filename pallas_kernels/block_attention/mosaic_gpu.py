@@ -51,8 +51,8 @@ table (`rope_table`) serves every tile: it is loaded into shared memory
 once per CTA, and the forward keeps its cos and sin (in the input dtype
 by default, `BlockSizes.rope_f32`) in registers for the whole kernel (the
 backward, whose registers hold the gradients, reads it from shared
-memory where it rotates). Rotating at sequence positions cost a per-tile angle
-addition and table load (see below).
+memory where it rotates). Rotating at sequence positions cost a per-tile
+angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -502,11 +502,10 @@ def _grads_vq(dv, p_s, ds_s, do_t, k_t, static):
 def _grad_k(dk, ds_s, q_t, static):
   """`dK + dS^T Q` as column parts (one wait)."""
   if static.interpret is not None:
+    acc = lambda a, x, y: mosaic.accumulate(a, x, y, static.interpret)  # noqa: E731
     return tuple(
-      mosaic.accumulate(a, ds_s.transpose((1, 0)), _part(q_t, i),
-                        static.interpret)
-      for i, a in enumerate(dk)
-    )  # fmt: skip
+      acc(a, ds_s.transpose((1, 0)), _part(q_t, i)) for i, a in enumerate(dk)
+    )
 
   def body(refs):
     for i in range(len(dk)):
@@ -586,8 +585,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
       def sync_wgs(i):
         if nwg == 2:
-          plgpu.barrier_arrive(sync.at[i])
-          plgpu.barrier_wait(sync.at[i])
+          mosaic.meet(sync.at[i])
 
       def run(wg_i):
         heads = heads_of[wg_i]
@@ -819,10 +817,6 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       xs = [x.astype(dtype) for x in xs]
       _store_tile(xs, staging, dst_ref, row, head, count)
 
-    def sync_wgs(i):
-      plgpu.barrier_arrive(sync.at[i])
-      plgpu.barrier_wait(sync.at[i])
-
     def rotation():
       return _cos_sin(csm, rot_dtype) if rope else None
 
@@ -848,7 +842,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
             # dK's staging (P and dS) read by its store.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           mosaic.release(qd_free.at[slot])
-          sync_wgs(0)  # Q, dO (and K, V) tiled; P and dS free
+          mosaic.meet(sync.at[0])  # Q, dO (and K, V) tiled; P and dS free
           probs = lambda x: _probs(x * c, valid, static)  # noqa: E731
           if wg_i == 0:
             p_s[...] = probs(_scores(_all_parts(q_t), k_t, static)).astype(
@@ -860,12 +854,12 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             ds_s[...] = ds.astype(dtype)
           plgpu.commit_smem()
-          sync_wgs(1)  # P and dS in place
+          mosaic.meet(sync.at[1])  # P and dS in place
           if wg_i == 0:
             acc, dq = _grads_vq(acc, p_s, ds_s, do_t, k_t, static)
           else:
             acc = _grad_k(acc, ds_s, q_t, static)
-          sync_wgs(2)  # Q, dO, P, dS (and K, V) read
+          mosaic.meet(sync.at[2])  # Q, dO, P, dS (and K, V) read
           if wg_i == 0:
             if rope:
               dq = _unrope(*dq, _cos_sin(csm))

@@ -639,8 +639,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
     def sched():
       if hpc == 2:
-        plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(sched_bar)
+        mosaic.meet(sched_bar)
 
     @pl.when(wg < hpc)
     def _compute():
@@ -1340,8 +1339,7 @@ def backward_dkv(
         buf = lax.rem(g, 2)
         ds_smem.at[buf, wg][...] = ds16
         plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_bar)
-        plgpu.barrier_wait(ds_bar)
+        mosaic.meet(ds_bar)
         for part in range(h // 64):
           cols = pl.ds(part * 64, 64)
 
@@ -1465,8 +1463,7 @@ def backward_dkv(
         if fused:
           # The other warpgroup's dQ wgmmas read this one's K: both finish
           # the item before either loads the next.
-          plgpu.barrier_arrive(item_bar)
-          plgpu.barrier_wait(item_bar)
+          mosaic.meet(item_bar)
         # K and V are read; the next item's land during the stores.
         load_kv(j + 1)
         # dK, then dV, through one staging buffer.

@@ -210,7 +210,7 @@ def test_default_pipeline_settings():
   assert (bwd.stages, bwd.out_slots, bwd.pdl) == (4, 2, False)
   assert (fp8_out.stages, fp8_out.out_slots) == (4, 2)
   assert not (fwd.direct_loads or bwd.direct_loads)
-  assert fwd.num_blocks == bwd.num_blocks == mosaic.HOPPER_SMS
+  assert fwd.num_blocks == bwd.num_blocks == mosaic.num_sms()
   # Interpret mode drops what the interpreter lacks (PDL).
   bs = mosaic_gpu.BlockSizes(pdl=True)
   interp = mosaic_gpu.make_config(
@@ -239,7 +239,7 @@ def test_wide_rows_default(t, d):
     2,
     rows,
   )
-  assert wide.num_blocks == min(2 * mosaic.HOPPER_SMS, t // rows)
+  assert wide.num_blocks == min(2 * mosaic.num_sms(), t // rows)
   assert not cfg(t=t + 1).direct_loads  # ragged: the ring
   assert not cfg(bwd=True).direct_loads
   assert not cfg(d=512).direct_loads and not cfg(d=4096).direct_loads
