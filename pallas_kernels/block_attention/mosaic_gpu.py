@@ -50,9 +50,9 @@ position inside the tile (`r < 64`) instead of the one in the sequence
 table (`rope_table`) serves every tile: it is loaded into shared memory
 once per CTA, and the forward keeps its cos and sin (in the input dtype
 by default, `BlockSizes.rope_f32`) in registers for the whole kernel (the
-backward, whose registers hold the gradients, reads it from shared
-memory where it rotates). Rotating at sequence positions cost a per-tile
-angle addition and table load (see below).
+backward, whose registers hold the gradients, reads the table's high
+terms from shared memory where it rotates). Rotating at sequence
+positions cost a per-tile angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -144,10 +144,14 @@ class BlockSizes:
   (196 KiB for two slots), two still ran 0.125 / 0.081 ms against one's
   0.119 / 0.079 ms, so shared-memory capacity was not the reason.
 
-  `rope_f32`: the RoPE rotation of Q and K in f32, or (default) in the
-  input dtype, with no conversions to and from f32 around the arithmetic.
-  The backward rotates as the forward did, so the scores it recomputes are
-  the forward's; its un-rotation of the f32 dQ and dK stays f32. On the
+  `rope_f32`: the RoPE rotation of Q and K in f32 with the table's two
+  terms, or (default) in the input dtype with its high terms, with no
+  conversions to and from f32 around the arithmetic. The backward rotates
+  with the high terms alone (it keeps only those in shared memory), in
+  the same dtype: by default exactly as the forward did, so the scores it
+  recomputes are the forward's; under `rope_f32` they differ from the
+  forward's by the high terms' error (`< 2^-12` of each factor). Its
+  un-rotation of the f32 dQ and dK stays f32. On the
   H200 (a development run, 2026-12-01, per set, timed in
   alternation) the input dtype ran the forward in 98.5 against 106.3 us at
   all-2,048 and 63.2 against 78.5 us log-normal (93.9 / 56.2 with RoPE
@@ -199,7 +203,8 @@ def work_items(offsets, t: int):
 def rope_table(h: int, theta: float):
   """RoPE constants `f16[4, 64, h/2]`: cos and sin of positions `0..64)`
   inside a tile (see "RoPE at tile positions"), each as two f16 terms
-  (`cos = [0] + [1]`, `sin = [2] + [3]`).
+  (`cos = [0] + [2]`, `sin = [1] + [3]`): the high terms first, so a
+  kernel that rotates with them alone loads `[:2]` (`_cos_sin_hi`).
 
   Why two f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte
   rows, one swizzle atom, so it loads into registers without bank
@@ -209,12 +214,12 @@ def rope_table(h: int, theta: float):
   """
   freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
   ang = np.arange(TILE, dtype=np.float64)[:, None] * freq
-  planes = []
-  for f in (np.cos, np.sin):
-    exact = f(ang)
-    hi = exact.astype(np.float16)
-    planes += [hi, (exact - hi.astype(np.float64)).astype(np.float16)]
-  return jnp.asarray(np.stack(planes))
+  exact = [np.cos(ang), np.sin(ang)]
+  hi = [x.astype(np.float16) for x in exact]
+  lo = [
+    (x - y.astype(np.float64)).astype(np.float16) for x, y in zip(exact, hi)
+  ]
+  return jnp.asarray(np.stack(hi + lo))
 
 
 _CS_BYTES = 4 * TILE * TILE * 2  # the RoPE table: 4 f16 [64, h/2]
@@ -234,9 +239,9 @@ def _bwd_smem(h, rope, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
   return (
     4 * tile  # K, V raw and tiled
-    + (_CS_BYTES if rope else 0)
+    + (_CS_BYTES // 2 if rope else 0)  # the high terms only
     + 2 * BWD_QD_STAGES * tile  # Q, dO raw (a ring)
-    + 2 * tile  # Q, dO tiled
+    + 2 * 2 * tile  # Q, dO tiled, two heads' worth
     # P and dS, aliased with dK's staging (swizzled or plain)
     + max(tile, 2 * TILE * TILE * dtype_bytes)
     + tile  # dQ's and dV's staging (swizzled or plain)
@@ -263,7 +268,16 @@ def _cos_sin(cs, dtype=jnp.float32):
   """cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`),
   summed in f32, as `dtype`."""
   f32 = [plgpu.load(cs.at[i], layout=_L).astype(jnp.float32) for i in range(4)]
-  return (f32[0] + f32[1]).astype(dtype), (f32[2] + f32[3]).astype(dtype)
+  return (f32[0] + f32[2]).astype(dtype), (f32[1] + f32[3]).astype(dtype)
+
+
+def _cos_sin_hi(cs, dtype=jnp.float32):
+  """cos and sin `[64, 64]` of a tile's RoPE rows from the table's f16
+  high terms alone (`cs[:2]`; `|error| < 2^-12`), as `dtype`: half the
+  registers and shared memory of `_cos_sin`. Rounded to a 16-bit input
+  dtype (the default rotation) they are within one unit of that dtype of
+  the exact values."""
+  return tuple(plgpu.load(cs.at[i], layout=_L).astype(dtype) for i in (0, 1))
 
 
 def _load_parts(raw, rot=None):
@@ -547,7 +561,8 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   ):
     stages -= 1
   rope = static.rope
-  rot_dtype = jnp.float32 if static.block_sizes.rope_f32 else dtype
+  f32_rot = static.block_sizes.rope_f32
+  rot_dtype = jnp.float32 if f32_rot else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   workers, dealt, counts = _deal(items, num_real, kh, static)
@@ -592,7 +607,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         rot = None
         if rope:  # the same for every tile: in registers for the kernel
           plgpu.barrier_wait(cs_bar)
-          rot = _cos_sin(csm, rot_dtype)
+          rot = (_cos_sin if f32_rot else _cos_sin_hi)(csm, rot_dtype)
 
         def body(j, _):
           row, valid, tail = item(j)
@@ -756,20 +771,31 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 #   warpgroup 1 relayouts V and dO, computes P again and `dO V^T` (both
 #     wgmmas in flight, `_scores_and_dp`), `delta` and dS, writes dS, then
 #     `dK += dS^T Q`, and stores dK (RoPE backward) at the tile's end.
-# Three barriers between the two per head: Q and dO in place, P and dS in
-# place, every wgmma that reads them done. Each computes `Q K^T` (two
+# Two barriers between the two per head: Q and dO in place, P and dS in
+# place. The tiled Q and dO alternate between two buffers by head, so a
+# warpgroup done with its products relayouts the next head while the
+# other still reads this one's (each reads the other's tile: dK reads Q,
+# dV reads dO); only after a tile's last head do both wait until every
+# wgmma is done (a third barrier), before dK's staging (aliasing P and
+# dS) and the next tile's K and V are written. Each computes `Q K^T` (two
 # small wgmmas) rather than pass P or dS in f32 through shared memory.
+# The RoPE table's high terms alone (`_cos_sin_hi`) rotate and un-rotate:
+# half its shared memory pays for the second Q and dO buffers.
 # H200 (a development run, 2026-12-01, the benchmark's batches, backward
-# kernel alone, per set, timed in alternation, bit-identical outputs):
-# 166 against 275 us log-normal (123 against 261 with RoPE left out)
-# for the kernel before, one consumer warpgroup holding dK, dV and dQ at
-# once: past its 240 registers, ptxas spilled 648 bytes a thread (980
-# bytes of reloads). At all-2,048, 276 us (the kernel before: 426 us in
-# an earlier run that day, not timed beside it). Here ptxas still
-# reports 352 / 468 bytes (148 / 220 without RoPE); 240 registers for
-# the consumers and 24 for the producer measured no better (284 / 166 us).
-# Its bytes take about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO
-# read and dQ, dK, dV written once: 8 KiB a token).
+# kernel alone, per set, timed in alternation): 230.9 / 138.4 us at
+# all-2,048 / log-normal lengths, against 275.5 / 166.9 us with one Q and
+# dO buffer, a barrier after every head's products and the two-term table
+# (257.2 / 154.4 us with only the un-rotation on the high terms). ptxas
+# reports at most 4 / 28 bytes of spills, against 352 / 468 before: the
+# two-term cos and sin had been four f32 planes in registers beside the
+# gradients. The kernel before that, one consumer warpgroup holding dK,
+# dV and dQ at once, spilled 648 / 980 bytes past its 240 registers and
+# ran 426 / 275 us. 240 registers for the consumers and 24 for the
+# producer measured no better (284 / 166 us against 276 / 166 us, one
+# buffer), nor did giving warpgroup 0 more than warpgroup 1 (256 / 216 /
+# 24: 250.9 against 254.7 us at all-2,048, more spills). Its bytes take
+# about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO read and dQ,
+# dK, dV written once: 8 KiB a token).
 
 BWD_QD_STAGES = 1  # raw (Q, dO) slots (each warpgroup frees its half
 # right after its relayout, so the next head's load has a head's time)
@@ -795,7 +821,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     else:
       dq_ref, dk_ref, dv_ref, *scratch = rest
       cs_ref = None
-    (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_t, do_t) = scratch[:8]
+    (k_raw, v_raw, k_t, v_t, q_raw, do_raw, q_tt, do_tt) = scratch[:8]
     (stage_k, stage_vq, csm) = scratch[8:11]
     (kv_bar, cs_bar, raw_free, qd_bar, qd_free, sync) = scratch[11:]
     # P and dS share dK's staging buffer: dK is staged after the tile's
@@ -818,7 +844,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       _store_tile(xs, staging, dst_ref, row, head, count)
 
     def rotation():
-      return _cos_sin(csm, rot_dtype) if rope else None
+      return _cos_sin_hi(csm, rot_dtype) if rope else None
 
     def run(wg_i):
       def body(j, _):
@@ -834,6 +860,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
         def head_step(g, acc):
           slot = lax.rem(j * group + g, BWD_QD_STAGES)
+          buf = lax.rem(j * group + g, 2)
+          q_t, do_t = q_tt.at[buf], do_tt.at[buf]
           plgpu.barrier_wait(qd_bar.at[slot])
           if wg_i == 0:
             _relayout(q_raw.at[slot], q_t, rot=rotation())
@@ -859,10 +887,16 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
             acc, dq = _grads_vq(acc, p_s, ds_s, do_t, k_t, static)
           else:
             acc = _grad_k(acc, ds_s, q_t, static)
-          mosaic.meet(sync.at[2])  # Q, dO, P, dS (and K, V) read
+
+          @pl.when(g == group - 1)
+          def _():
+            # P, dS, K and V read: dK's staging (P and dS) and the next
+            # tile's relayouts may write them.
+            mosaic.meet(sync.at[2])
+
           if wg_i == 0:
             if rope:
-              dq = _unrope(*dq, _cos_sin(csm))
+              dq = _unrope(*dq, _cos_sin_hi(csm))
             out = [a * (scale * keep) for a in dq]
             stage_out(out, staging_vq, dq_ref, row, kv_head * group + g, valid)
           return acc
@@ -876,7 +910,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           )
         else:
           if rope:
-            acc = _unrope(*acc, _cos_sin(csm))
+            acc = _unrope(*acc, _cos_sin_hi(csm))
           stage_out(
             [a * (scale * keep) for a in acc],
             staging_k,
@@ -945,14 +979,14 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     tiled(tile, dtype),
     swizzled(ring, dtype),
     swizzled(ring, dtype),
-    tiled(tile, dtype),
-    tiled(tile, dtype),
+    tiled((2, *tile), dtype),  # Q tiled, by head parity
+    tiled((2, *tile), dtype),  # dO tiled, by head parity
     plgpu.RefUnion(
       *staging(),
       (tiled((TILE, TILE), dtype), tiled((TILE, TILE), dtype)),
     ),
     plgpu.RefUnion(*staging()),
-    swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
+    swizzled((2, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(num_arrivals=2),  # K and V raw released by both
@@ -961,7 +995,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     plgpu.Barrier(num_arrivals=2, num_barriers=BWD_QD_STAGES),
     plgpu.Barrier(num_arrivals=2, num_barriers=3),  # between the consumers
   ]
-  args = [items, dealt, counts, q, k, v, do] + ([cs] if rope else [])
+  # The RoPE table's high terms (cos, sin): see `_cos_sin_hi`.
+  args = [items, dealt, counts, q, k, v, do] + ([cs[:2]] if rope else [])
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
   return _launch(
     kernel,

@@ -209,7 +209,7 @@ def test_rope_table_matches_reference():
   # Two f16 terms per value carry it to f32-like accuracy.
   planes = np.asarray(cs, np.float64)
   ang = np.arange(mg.TILE)[:, None] * theta ** (-np.arange(0, h, 2) / h)
-  for fn, (hi, lo) in ((np.cos, planes[:2]), (np.sin, planes[2:])):
+  for fn, hi, lo in ((np.cos, *planes[0::2]), (np.sin, *planes[1::2])):
     assert np.abs(hi + lo - fn(ang)).max() < 2.0**-22
     assert np.abs(hi - fn(ang)).max() > 2.0**-14  # one term would not do
   # The rotation it gives (in f32, as the kernels' `rope_f32`) is the
@@ -218,7 +218,7 @@ def test_rope_table_matches_reference():
   x = jax.random.normal(jax.random.key(0), (mg.TILE, 1, h))
   x1, x2 = x[..., : h // 2], x[..., h // 2 :]
   f32 = cs.astype(jnp.float32)
-  cos, sin = (f32[0] + f32[1])[:, None], (f32[2] + f32[3])[:, None]
+  cos, sin = (f32[0] + f32[2])[:, None], (f32[1] + f32[3])[:, None]
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
   np.testing.assert_allclose(
     rotated, rope_reference(x, pos, theta), rtol=0, atol=1e-5
