@@ -779,8 +779,9 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # wgmma is done (a third barrier), before dK's staging (aliasing P and
 # dS) and the next tile's K and V are written. Each computes `Q K^T` (two
 # small wgmmas) rather than pass P or dS in f32 through shared memory.
-# The RoPE table's high terms alone (`_cos_sin_hi`) rotate and un-rotate:
-# half its shared memory pays for the second Q and dO buffers.
+# The RoPE table's high terms alone (`_cos_sin_hi`) rotate and un-rotate,
+# which frees half the table's shared memory (16 KiB) toward the second
+# Q and dO buffers (32 KiB): 208 KiB in all at head dim 128 with RoPE.
 # H200 (a development run, 2026-12-01, the benchmark's batches, backward
 # kernel alone, per set, timed in alternation): 230.9 / 138.4 us at
 # all-2,048 / log-normal lengths, against 275.5 / 166.9 us with one Q and
