@@ -58,21 +58,32 @@ def pad_rows(x, multiple=ALIGN):
 
 def accumulate(acc, a, b, interpret, then=None):
   """`acc + a @ b` with wgmma into the live accumulator; `then()` runs while
-  the wgmma is in flight. `interpret`: None when compiling, else the GPU
-  interpreter params (its wgmma takes register operands badly)."""
+  the wgmma is in flight (`accumulate_many` of one term)."""
+  return accumulate_many([(acc, a, b)], interpret, then)[0]
+
+
+def accumulate_many(terms, interpret, then=None):
+  """`[acc + a @ b for acc, a, b in terms]`, one wgmma per term into its
+  live accumulator, all in flight together (one wait); `then()` runs while
+  they are. `interpret`: None when compiling, else the GPU interpreter
+  params (its wgmma takes register operands badly: those become
+  `jnp.dot`)."""
   if interpret is None:
 
-    def body(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
+    def body(refs):
+      for ref, (_, a, b) in zip(refs, terms, strict=True):
+        plgpu.wgmma(ref, a, b)
       if then is not None:
         then()
 
-    return pl.run_state(body)(plgpu.ACC.init(acc))
-  if in_registers(a):
-    # The GPU interpreter takes register (non-ref) wgmma operands badly.
-    out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-  else:  # shared-memory operands: its wgmma
-    out = acc + matmul(a, b, acc.shape)
+    init = tuple(plgpu.ACC.init(acc) for acc, _, _ in terms)
+    return list(pl.run_state(body)(init))
+  out = [
+    acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    if in_registers(a)
+    else acc + matmul(a, b, acc.shape)  # shared-memory operands: its wgmma
+    for acc, a, b in terms
+  ]
   if then is not None:
     then()
   return out

@@ -488,44 +488,18 @@ def _scores_and_dp(q_t, k_t, do_t, v_t, mid, static):
 
 def _grads_vq(dv, p_s, ds_s, do_t, k_t, static):
   """`(dV + P^T dO, dS K)` as column parts, every wgmma in flight together
-  (one wait). Interpret mode: `mosaic.accumulate`."""
+  (one wait)."""
   parts = len(dv)
-  if static.interpret is not None:
-    acc = lambda a, x, y: mosaic.accumulate(a, x, y, static.interpret)  # noqa: E731
-    dv = tuple(
-      acc(a, p_s.transpose((1, 0)), _part(do_t, i)) for i, a in enumerate(dv)
-    )
-    dq = [
-      mosaic.matmul(ds_s, _part(k_t, i), (TILE, dv[0].shape[1]))
-      for i in range(parts)
-    ]
-    return dv, dq
-
-  def body(refs):
-    for i in range(parts):
-      plgpu.wgmma(refs[i], p_s.transpose((1, 0)), _part(do_t, i))
-    for i in range(parts):
-      plgpu.wgmma(refs[parts + i], ds_s, _part(k_t, i))
-
-  zeros = [_zeros(dv[0].shape) for _ in range(parts)]
-  init = tuple(plgpu.ACC.init(a) for a in (*dv, *zeros))
-  out = pl.run_state(body)(init)
-  return out[:parts], list(out[parts:])
+  terms = [(a, p_s.transpose((1, 0)), _part(do_t, i)) for i, a in enumerate(dv)]
+  terms += [(_zeros(dv[0].shape), ds_s, _part(k_t, i)) for i in range(parts)]
+  out = mosaic.accumulate_many(terms, static.interpret)
+  return tuple(out[:parts]), out[parts:]
 
 
 def _grad_k(dk, ds_s, q_t, static):
   """`dK + dS^T Q` as column parts (one wait)."""
-  if static.interpret is not None:
-    acc = lambda a, x, y: mosaic.accumulate(a, x, y, static.interpret)  # noqa: E731
-    return tuple(
-      acc(a, ds_s.transpose((1, 0)), _part(q_t, i)) for i, a in enumerate(dk)
-    )
-
-  def body(refs):
-    for i in range(len(dk)):
-      plgpu.wgmma(refs[i], ds_s.transpose((1, 0)), _part(q_t, i))
-
-  return tuple(pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in dk)))
+  terms = [(a, ds_s.transpose((1, 0)), _part(q_t, i)) for i, a in enumerate(dk)]
+  return tuple(mosaic.accumulate_many(terms, static.interpret))
 
 
 def _deal(items, num_real, kh, static):

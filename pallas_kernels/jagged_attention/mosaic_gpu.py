@@ -141,7 +141,7 @@ class BlockSizes:
   dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
   # memory: the wgmma-layout store hits one bank octet per 8 rows)
   bwd_pipeline: bool = True  # backward: two wgmmas in flight per wait
-  # (`_two_matmuls`, `_accumulate2`)
+  # (`_two_matmuls`, `mosaic.accumulate_many`)
   bwd_registers: int = 232  # backward consumers' registers (the producer
   # gets 504 - 2x this: 40, or 24 with FA3's 240)
   fold_heads: bool = True  # non-causal short query sides: heads into rows
@@ -469,24 +469,6 @@ def _two_matmuls(a1, b1, a2, b2, shape, mid, interpret):
   return pl.run_scoped(
     scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32)
   )
-
-
-def _accumulate2(acc1, a1, b1, acc2, a2, b2, interpret, then=None):
-  """`(acc1 + a1 @ b1, acc2 + a2 @ b2)`, both wgmmas in flight together
-  (register `a` operands allowed), `then()` while they run."""
-  if interpret is not None:
-    acc1 = mosaic.accumulate(acc1, a1, b1, interpret)
-    return acc1, mosaic.accumulate(acc2, a2, b2, interpret, then)
-
-  def body(refs):
-    r1, r2 = refs
-    plgpu.wgmma(r1, a1, b1)
-    plgpu.wgmma(r2, a2, b2)
-    if then is not None:
-      then()
-
-  out = pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
-  return out[0], out[1]
 
 
 def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
@@ -1413,16 +1395,12 @@ def backward_dkv(
               k_smem, q_t, v_smem, do_t, (bkv, bq), probs, static.interpret
             )
             ds16 = grad_s(pt, dpt)
-            dv, dk = _accumulate2(
-              dv,
-              pt.astype(dtype),
-              do_smem.at[slot],
-              dk,
-              ds16,
-              q_smem.at[slot],
+            dv, dk = mosaic.accumulate_many(
+              [(dv, pt.astype(dtype), do_smem.at[slot]),
+               (dk, ds16, q_smem.at[slot])],
               static.interpret,
               dq_then(ds16),
-            )
+            )  # fmt: skip
             mosaic.release(free.at[slot])
             return dk, dv
           pt = probs(mosaic.matmul(k_smem, q_t, (bkv, bq)))

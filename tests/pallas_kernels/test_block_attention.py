@@ -212,6 +212,11 @@ def test_rope_table_matches_reference():
   for fn, hi, lo in ((np.cos, *planes[0::2]), (np.sin, *planes[1::2])):
     assert np.abs(hi + lo - fn(ang)).max() < 2.0**-22
     assert np.abs(hi - fn(ang)).max() > 2.0**-14  # one term would not do
+  # The high terms come first: the backward (and the default forward)
+  # loads `cs[:2]` alone and rotates with f16-rounded cos and sin.
+  exact = np.stack([np.cos(ang), np.sin(ang)])
+  np.testing.assert_array_equal(planes[:2], exact.astype(np.float16))
+  assert np.abs(planes[:2] - exact).max() < 2.0**-12
   # The rotation it gives (in f32, as the kernels' `rope_f32`) is the
   # reference's.
   pos = jnp.arange(mg.TILE)
