@@ -738,42 +738,45 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # Backward: two consumer warpgroups per CTA share each tile and split the
 # work of every query head by role, so each keeps one gradient in
 # registers for the whole tile:
-#   warpgroup 0 relayouts K and Q (RoPE), computes P (`Q K^T`, softmax),
-#     writes it to shared memory, then `dV += P^T dO` and `dQ = dS K`,
-#     and stores dQ (RoPE backward in its epilogue) and, at the tile's
-#     end, dV;
-#   warpgroup 1 relayouts V and dO, computes P again and `dO V^T` (both
-#     wgmmas in flight, `_scores_and_dp`), `delta` and dS, writes dS, then
-#     `dK += dS^T Q`, and stores dK (RoPE backward) at the tile's end.
-# Two barriers between the two per head: Q and dO in place, P and dS in
-# place. The tiled Q and dO alternate between two buffers by head, so a
-# warpgroup done with its products relayouts the next head while the
-# other still reads this one's (each reads the other's tile: dK reads Q,
-# dV reads dO); only after a tile's last head do both wait until every
-# wgmma is done (a third barrier), before dK's staging (aliasing P and
-# dS) and the next tile's K and V are written. Each computes `Q K^T` (two
-# small wgmmas) rather than pass P or dS in f32 through shared memory.
-# The RoPE table's high terms alone (`_cos_sin_hi`) rotate and un-rotate,
-# which frees half the table's shared memory (16 KiB) toward the second
-# Q and dO buffers (32 KiB): 208 KiB in all at head dim 128 with RoPE.
-# H200 (a development run, 2026-12-01, the benchmark's batches, backward
-# kernel alone, per set, timed in alternation): 230.9 / 138.4 us at
-# all-2,048 / log-normal lengths, against 275.5 / 166.9 us with one Q and
-# dO buffer, a barrier after every head's products and the two-term table
-# (257.2 / 154.4 us with only the un-rotation on the high terms). ptxas
-# reports at most 4 / 28 bytes of spills, against 352 / 468 before: the
-# two-term cos and sin had been four f32 planes in registers beside the
-# gradients. The kernel before that, one consumer warpgroup holding dK,
-# dV and dQ at once, spilled 648 / 980 bytes past its 240 registers and
-# ran 426 / 275 us. 240 registers for the consumers and 24 for the
-# producer measured no better (284 / 166 us against 276 / 166 us, one
-# buffer), nor did giving warpgroup 0 more than warpgroup 1 (256 / 216 /
-# 24: 250.9 against 254.7 us at all-2,048, more spills). Its bytes take
-# about 130 us at copy bandwidth at all-2,048 (Q, K, V, dO read and dQ,
-# dK, dV written once: 8 KiB a token).
+#   warpgroup 0 relayouts K (RoPE), computes P (`Q K^T`, softmax), writes
+#     it to shared memory, then `dV += P^T dO` and `dQ = dS K`, and stores
+#     dQ (RoPE backward in its epilogue) and, at the tile's end, dV;
+#   warpgroup 1 relayouts V and, every head, Q (RoPE) and dO, computes P
+#     again and `dO V^T` (both wgmmas in flight, `_scores_and_dp`),
+#     `delta` and dS, writes dS, then `dK += dS^T Q`, and stores dK (RoPE
+#     backward) at the tile's end.
+# Warpgroup 1 does both of a head's relayouts because after the second
+# barrier warpgroup 0 has four wgmmas and dQ's epilogue against its two:
+# with one relayout each, warpgroup 1 waited at the next head's first
+# barrier. Two barriers between the two per head: Q and dO in place, P
+# and dS in place. The tiled Q and dO alternate between two buffers by
+# head, so warpgroup 1 relayouts the next head while warpgroup 0 still
+# reads this one's; only after a tile's last head do both wait until
+# every wgmma is done (a third barrier), before dK's staging (aliasing P
+# and dS) and the next tile's K and V are written. Each computes `Q K^T`
+# (two small wgmmas) rather than pass P or dS in f32 through shared
+# memory. The RoPE table's high terms alone (`_cos_sin_hi`) rotate and
+# un-rotate, which frees half the table's shared memory (16 KiB) toward
+# the second Q and dO buffers (32 KiB): 208 KiB in all at head dim 128
+# with RoPE.
+# H200 (development runs, the benchmark's batches, backward kernel alone,
+# per set, timed in alternation): 220.0 / 133.5 us at all-2,048 /
+# log-normal lengths, against 234.6 / 140.0 us in the same run with the
+# Q relayout on warpgroup 0 (2026-12-01), and 275.5 / 166.9 us with one
+# Q and dO buffer, a barrier after every head's products and the
+# two-term table (2026-11-30). ptxas reports no spills, against 352 /
+# 468 bytes before: the two-term cos and sin had been four f32 planes in
+# registers beside the gradients. The kernel before that, one consumer
+# warpgroup holding dK, dV and dQ at once, spilled 648 / 980 bytes past
+# its 240 registers and ran 426 / 275 us. 240 registers for the
+# consumers and 24 for the producer measured no better (231.7 / 138.7
+# against 234.6 / 140.0 us), nor did giving warpgroup 0 more than
+# warpgroup 1 (256 / 216 / 24: 250.9 against 254.7 us at all-2,048, more
+# spills). Its bytes take about 130 us at copy bandwidth at all-2,048 (Q,
+# K, V, dO read and dQ, dK, dV written once: 8 KiB a token).
 
-BWD_QD_STAGES = 1  # raw (Q, dO) slots (each warpgroup frees its half
-# right after its relayout, so the next head's load has a head's time)
+BWD_QD_STAGES = 1  # raw (Q, dO) slots (warpgroup 1 frees a slot right
+# after its relayouts, so the next head's load has a head's time)
 
 
 def backward(q, k, v, do, cs, items, num_real, static: _Static):
@@ -837,14 +840,13 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           slot = lax.rem(j * group + g, BWD_QD_STAGES)
           buf = lax.rem(j * group + g, 2)
           q_t, do_t = q_tt.at[buf], do_tt.at[buf]
-          plgpu.barrier_wait(qd_bar.at[slot])
-          if wg_i == 0:
+          if wg_i == 1:  # both of the head's relayouts (see above)
+            plgpu.barrier_wait(qd_bar.at[slot])
             _relayout(q_raw.at[slot], q_t, rot=rotation())
-          else:
             _relayout(do_raw.at[slot], do_t, keep_rows=valid)
             # dK's staging (P and dS) read by its store.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          mosaic.release(qd_free.at[slot])
+            mosaic.release(qd_free.at[slot])
           mosaic.meet(sync.at[0])  # Q, dO (and K, V) tiled; P and dS free
           probs = lambda x: _probs(x * c, valid, static)  # noqa: E731
           if wg_i == 0:
@@ -967,7 +969,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     plgpu.Barrier(num_arrivals=2),  # K and V raw released by both
     # Q and dO, per ring slot
     plgpu.Barrier(num_arrivals=2 * parts, num_barriers=BWD_QD_STAGES),
-    plgpu.Barrier(num_arrivals=2, num_barriers=BWD_QD_STAGES),
+    plgpu.Barrier(num_arrivals=1, num_barriers=BWD_QD_STAGES),
     plgpu.Barrier(num_arrivals=2, num_barriers=3),  # between the consumers
   ]
   # The RoPE table's high terms (cos, sin): see `_cos_sin_hi`.
