@@ -149,8 +149,10 @@ class BlockSizes:
   pdl: programmatic dependent launch: the kernel may start while the
     previous kernel in the stream drains (`griddepcontrol.wait` before any
     global memory access), and lets the next one start early. `None` = on
-    in the forward (H200: within 0.5%), off in the backward (D=512: 0.2749
-    ms with, 0.2685 without, same run).
+    in the forward (H200, timed in alternation, twice: D=512 0.2784 /
+    0.2786 ms with, 0.2792 / 0.2781 without; D=2048 1.0737 / 1.0713 with,
+    1.0707 / 1.0715 without), off in the backward (D=512: 0.2749 ms with,
+    0.2685 without, same run).
   out_slots: SMEM buffers per output for bulk stores (a store may drain
     while `out_slots - 1` later tiles are computed); `None` = 4 in the
     forward, 2 in the backward and the forward with FP8 output. H200 run 4,
