@@ -48,10 +48,11 @@ both rows of every score sit in one 64-row tile, so rotating by the
 position inside the tile (`r < 64`) instead of the one in the sequence
 (`64 f + r`) gives the same scores, outputs and gradients. So one 64-row
 table (`rope_table`) serves every tile: it is loaded into shared memory
-once per CTA, and the forward keeps its cos and sin (in the input dtype
-by default, `BlockSizes.rope_f32`) in registers for the whole kernel (the
-backward, whose registers hold the gradients, reads the table's high
-terms from shared memory where it rotates). Rotating at sequence
+once per CTA (its f16 high terms alone, unless `BlockSizes.rope_f32`
+sums both terms in f32), and the forward keeps its cos and sin (in the
+input dtype by default) in registers for the whole kernel (the backward,
+whose registers hold the gradients, reads the table's high terms from
+shared memory where it rotates). Rotating at sequence
 positions cost a per-tile angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
@@ -225,11 +226,12 @@ def rope_table(h: int, theta: float):
 _CS_BYTES = 4 * TILE * TILE * 2  # the RoPE table: 4 f16 [64, h/2]
 
 
-def _fwd_smem(h, nwg, stages, rope, dtype_bytes=2):
+def _fwd_smem(h, nwg, stages, rope, rope_f32=False, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
+  cs = _CS_BYTES if rope_f32 else _CS_BYTES // 2  # both terms or the high
   return (
     4 * tile  # K, V raw and tiled
-    + (_CS_BYTES if rope else 0)
+    + (cs if rope else 0)
     + nwg * stages * tile  # query ring
     + nwg * tile  # output staging (swizzled or plain, aliased)
   )
@@ -251,7 +253,7 @@ def _bwd_smem(h, rope, dtype_bytes=2):
 def fits(h: int, rope: bool) -> bool:
   """Whether both kernels fit shared memory at this head dim."""
   return (
-    _fwd_smem(h, 2, 1, rope) <= mosaic.SMEM_LIMIT
+    _fwd_smem(h, 2, 1, rope, rope_f32=True) <= mosaic.SMEM_LIMIT
     and _bwd_smem(h, rope) <= mosaic.SMEM_LIMIT
   )
 
@@ -529,13 +531,16 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
   dtype = q.dtype
   group = n // kh
   nwg = 2 if group >= 2 else 1
-  stages = static.block_sizes.q_stages
-  while (
-    stages > 1 and _fwd_smem(h, nwg, stages, static.rope) > mosaic.SMEM_LIMIT
-  ):
-    stages -= 1
   rope = static.rope
   f32_rot = static.block_sizes.rope_f32
+  stages = static.block_sizes.q_stages
+  while (
+    stages > 1 and _fwd_smem(h, nwg, stages, rope, f32_rot) > mosaic.SMEM_LIMIT
+  ):
+    stages -= 1
+  # The RoPE table's planes this rotation reads: both terms in f32, else
+  # the high terms alone (`_cos_sin_hi`).
+  cs_planes = 4 if f32_rot else 2
   rot_dtype = jnp.float32 if f32_rot else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
@@ -687,7 +692,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     tiled(tile, dtype),
     swizzled((nwg, stages, *tile), dtype),
     plgpu.RefUnion(swizzled((nwg, *tile), dtype), plain((nwg, *tile), dtype)),
-    swizzled((4, TILE, h // 2), jnp.float16) if rope else None,
+    swizzled((cs_planes, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(num_arrivals=nwg),
@@ -695,7 +700,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     plgpu.Barrier(num_barriers=nwg * stages),
     plgpu.Barrier(num_arrivals=nwg, num_barriers=2),
   ]
-  args = [items, dealt, counts, q, k, v] + ([cs] if rope else [])
+  args = [items, dealt, counts, q, k, v] + ([cs[:cs_planes]] if rope else [])
   return _launch(
     kernel,
     scratch,
