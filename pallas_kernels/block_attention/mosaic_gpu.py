@@ -777,8 +777,11 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # consumers and 24 for the producer measured no better (231.7 / 138.7
 # against 234.6 / 140.0 us), nor did giving warpgroup 0 more than
 # warpgroup 1 (256 / 216 / 24: 250.9 against 254.7 us at all-2,048, more
-# spills). Its bytes take about 130 us at copy bandwidth at all-2,048 (Q,
-# K, V, dO read and dQ, dK, dV written once: 8 KiB a token).
+# spills), nor relayouting both K and V on warpgroup 0 so the tile's
+# start is even too (216.4 / 134.5 against 217.9 / 134.1 us, with 240 /
+# 24 registers 218.3 / 134.1). Its bytes take about 130 us at copy
+# bandwidth at all-2,048 (Q, K, V, dO read and dQ, dK, dV written once:
+# 8 KiB a token).
 
 BWD_QD_STAGES = 1  # raw (Q, dO) slots (warpgroup 1 frees a slot right
 # after its relayouts, so the next head's load has a head's time)
