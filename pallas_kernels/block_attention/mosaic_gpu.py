@@ -52,8 +52,8 @@ once per CTA (its f16 high terms alone, unless `BlockSizes.rope_f32`
 sums both terms in f32), and the forward keeps its cos and sin (in the
 input dtype by default) in registers for the whole kernel (the backward,
 whose registers hold the gradients, reads the table's high terms from
-shared memory where it rotates). Rotating at sequence
-positions cost a per-tile angle addition and table load (see below).
+shared memory where it rotates). Rotating at sequence positions cost a
+per-tile angle addition and table load (see below).
 
 Last partial block by zero-fill (as G1): rows of K and V past the sequence
 end are zeroed in that relayout (a select on the tile's rows). A zero key
@@ -205,7 +205,7 @@ def rope_table(h: int, theta: float):
   """RoPE constants `f16[4, 64, h/2]`: cos and sin of positions `0..64)`
   inside a tile (see "RoPE at tile positions"), each as two f16 terms
   (`cos = [0] + [2]`, `sin = [1] + [3]`): the high terms first, so a
-  kernel that rotates with them alone loads `[:2]` (`_cos_sin_hi`).
+  kernel that rotates with them alone loads `[:2]` (`_cs_planes`).
 
   Why two f16 terms: a `[64, 64]` plane of 16-bit values has 128-byte
   rows, one swizzle atom, so it loads into registers without bank
@@ -223,15 +223,22 @@ def rope_table(h: int, theta: float):
   return jnp.asarray(np.stack(hi + lo))
 
 
-_CS_BYTES = 4 * TILE * TILE * 2  # the RoPE table: 4 f16 [64, h/2]
+def _cs_planes(f32: bool) -> int:
+  """Planes of the RoPE table a kernel loads (`table[:planes]`): all four
+  for a rotation in f32 (both terms summed), else the two high terms
+  (`_cos_sin`)."""
+  return 4 if f32 else 2
 
 
-def _fwd_smem(h, nwg, stages, rope, rope_f32=False, dtype_bytes=2):
+def _cs_bytes(h, rope, f32):
+  return _cs_planes(f32) * TILE * (h // 2) * 2 if rope else 0  # f16 planes
+
+
+def _fwd_smem(h, nwg, stages, rope, rope_f32, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
-  cs = _CS_BYTES if rope_f32 else _CS_BYTES // 2  # both terms or the high
   return (
     4 * tile  # K, V raw and tiled
-    + (cs if rope else 0)
+    + _cs_bytes(h, rope, rope_f32)
     + nwg * stages * tile  # query ring
     + nwg * tile  # output staging (swizzled or plain, aliased)
   )
@@ -241,7 +248,7 @@ def _bwd_smem(h, rope, dtype_bytes=2):
   tile = TILE * h * dtype_bytes
   return (
     4 * tile  # K, V raw and tiled
-    + (_CS_BYTES // 2 if rope else 0)  # the high terms only
+    + _cs_bytes(h, rope, f32=False)  # the high terms only
     + 2 * BWD_QD_STAGES * tile  # Q, dO raw (a ring)
     + 2 * 2 * tile  # Q, dO tiled, two heads' worth
     # P and dS, aliased with dK's staging (swizzled or plain)
@@ -267,19 +274,16 @@ def _zeros(shape):
 
 
 def _cos_sin(cs, dtype=jnp.float32):
-  """cos and sin `[64, 64]` of a tile's RoPE rows (see `rope_table`),
-  summed in f32, as `dtype`."""
+  """cos and sin `[64, 64]` of a tile's RoPE rows, as `dtype`, from the
+  table planes `cs` holds (`_cs_planes`): all four, each value's two f16
+  terms summed in f32; or the high terms alone (`|error| < 2^-12`), with
+  half the registers and shared memory. Rounded to a 16-bit input dtype
+  (the default rotation) the high terms are within one unit of that
+  dtype of the exact values."""
+  if cs.shape[0] == _cs_planes(f32=False):
+    return tuple(plgpu.load(cs.at[i], layout=_L).astype(dtype) for i in (0, 1))
   f32 = [plgpu.load(cs.at[i], layout=_L).astype(jnp.float32) for i in range(4)]
   return (f32[0] + f32[2]).astype(dtype), (f32[1] + f32[3]).astype(dtype)
-
-
-def _cos_sin_hi(cs, dtype=jnp.float32):
-  """cos and sin `[64, 64]` of a tile's RoPE rows from the table's f16
-  high terms alone (`cs[:2]`; `|error| < 2^-12`), as `dtype`: half the
-  registers and shared memory of `_cos_sin`. Rounded to a 16-bit input
-  dtype (the default rotation) they are within one unit of that dtype of
-  the exact values."""
-  return tuple(plgpu.load(cs.at[i], layout=_L).astype(dtype) for i in (0, 1))
 
 
 def _load_parts(raw, rot=None):
@@ -538,9 +542,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     stages > 1 and _fwd_smem(h, nwg, stages, rope, f32_rot) > mosaic.SMEM_LIMIT
   ):
     stages -= 1
-  # The RoPE table's planes this rotation reads: both terms in f32, else
-  # the high terms alone (`_cos_sin_hi`).
-  cs_planes = 4 if f32_rot else 2
+  cs_planes = _cs_planes(f32_rot)
   rot_dtype = jnp.float32 if f32_rot else dtype
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
@@ -586,7 +588,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
         rot = None
         if rope:  # the same for every tile: in registers for the kernel
           plgpu.barrier_wait(cs_bar)
-          rot = (_cos_sin if f32_rot else _cos_sin_hi)(csm, rot_dtype)
+          rot = _cos_sin(csm, rot_dtype)
 
         def body(j, _):
           row, valid, tail = item(j)
@@ -760,7 +762,7 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # every wgmma is done (a third barrier), before dK's staging (aliasing P
 # and dS) and the next tile's K and V are written. Each computes `Q K^T`
 # (two small wgmmas) rather than pass P or dS in f32 through shared
-# memory. The RoPE table's high terms alone (`_cos_sin_hi`) rotate and
+# memory. The RoPE table's high terms alone (`_cos_sin`) rotate and
 # un-rotate, which frees half the table's shared memory (16 KiB) toward
 # the second Q and dO buffers (32 KiB): 208 KiB in all at head dim 128
 # with RoPE.
@@ -774,12 +776,13 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
 # registers beside the gradients. The kernel before that, one consumer
 # warpgroup holding dK, dV and dQ at once, spilled 648 / 980 bytes past
 # its 240 registers and ran 426 / 275 us. 240 registers for the
-# consumers and 24 for the producer measured no better (231.7 / 138.7
-# against 234.6 / 140.0 us), nor did giving warpgroup 0 more than
-# warpgroup 1 (256 / 216 / 24: 250.9 against 254.7 us at all-2,048, more
-# spills), nor relayouting both K and V on warpgroup 0 so the tile's
-# start is even too (216.4 / 134.5 against 217.9 / 134.1 us, with 240 /
-# 24 registers 218.3 / 134.1). Its bytes take about 130 us at copy
+# consumers and 24 for the producer measured no better (on the kernel
+# with the Q relayout on warpgroup 0: 231.7 / 138.7 against 234.6 /
+# 140.0 us), nor did giving warpgroup 0 more than warpgroup 1 (256 / 216
+# / 24 on the one-buffer kernel: 250.9 against 254.7 us at all-2,048,
+# more spills), nor relayouting both K and V on warpgroup 0 so the
+# tile's start is even too (216.4 / 134.5 against 217.9 / 134.1 us, with
+# 240 / 24 registers 218.3 / 134.1). Its bytes take about 130 us at copy
 # bandwidth at all-2,048 (Q, K, V, dO read and dQ, dK, dV written once:
 # 8 KiB a token).
 
@@ -795,6 +798,8 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
   group = n // kh
   rope = static.rope
   rot_dtype = jnp.float32 if static.block_sizes.rope_f32 else dtype
+  # The table's high terms, whatever the dtype (see `BlockSizes.rope_f32`).
+  cs_planes = _cs_planes(f32=False)
   parts, hp = h // PART, PART
   c = static.scale * LOG2E
   scale = static.scale
@@ -830,7 +835,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       _store_tile(xs, staging, dst_ref, row, head, count)
 
     def rotation():
-      return _cos_sin_hi(csm, rot_dtype) if rope else None
+      return _cos_sin(csm, rot_dtype) if rope else None
 
     def run(wg_i):
       def body(j, _):
@@ -881,7 +886,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
           if wg_i == 0:
             if rope:
-              dq = _unrope(*dq, _cos_sin_hi(csm))
+              dq = _unrope(*dq, _cos_sin(csm))
             out = [a * (scale * keep) for a in dq]
             stage_out(out, staging_vq, dq_ref, row, kv_head * group + g, valid)
           return acc
@@ -895,7 +900,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
           )
         else:
           if rope:
-            acc = _unrope(*acc, _cos_sin_hi(csm))
+            acc = _unrope(*acc, _cos_sin(csm))
           stage_out(
             [a * (scale * keep) for a in acc],
             staging_k,
@@ -971,7 +976,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
       (tiled((TILE, TILE), dtype), tiled((TILE, TILE), dtype)),
     ),
     plgpu.RefUnion(*staging()),
-    swizzled((2, TILE, h // 2), jnp.float16) if rope else None,
+    swizzled((cs_planes, TILE, h // 2), jnp.float16) if rope else None,
     plgpu.Barrier(num_arrivals=2 * parts),  # K and V, one TMA per part
     plgpu.Barrier() if rope else None,  # the RoPE table
     plgpu.Barrier(num_arrivals=2),  # K and V raw released by both
@@ -980,8 +985,9 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     plgpu.Barrier(num_arrivals=1, num_barriers=BWD_QD_STAGES),
     plgpu.Barrier(num_arrivals=2, num_barriers=3),  # between the consumers
   ]
-  # The RoPE table's high terms (cos, sin): see `_cos_sin_hi`.
-  args = [items, dealt, counts, q, k, v, do] + ([cs[:2]] if rope else [])
+  args = [items, dealt, counts, q, k, v, do] + (
+    [cs[:cs_planes]] if rope else []
+  )
   kv_type = jax.ShapeDtypeStruct((t, kh, h), dtype)
   return _launch(
     kernel,
