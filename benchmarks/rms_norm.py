@@ -10,6 +10,9 @@ residual and writes y, h (4·T·D·2 bytes); backward reads h, dy, dh_out and
 writes dh (4·T·D·2 bytes); gamma and the dgamma partials are added too.
 The ceiling is a device-to-device copy measured in the same process
 (bytes read + written).
+Each of our kernels is timed in alternation with XLA's (7 rounds, each one
+batch of 30 queued calls of both; `common.time_interleaved`) and the
+speedup is the ratio of the two medians.
 
 Also timed, to show where the time goes (--parts): the same pipeline moving
 tiles without computing ("copy through SMEM"), the forward without
@@ -225,19 +228,25 @@ COPY_VARIANTS = {
 }
 
 
-def _timed(c: Case, name: str, bs, copy_bw: float):
-  """Ours with `bs` (None = defaults): a table row and its seconds."""
+def _timed(c: Case, name: str, bs, copy_bw: float, xla):
+  """Ours with `bs` (None = defaults) timed in alternation with `xla[name]`
+  (`(fn, arg_sets)`, `common.time_interleaved`): a table row, our seconds
+  and XLA's."""
   d, tensor = c.d, c.tensor
   cfg = c.cfg(bs, bwd=name == "bwd")
   smem = mg.smem_bytes(cfg, bwd=name == "bwd")
   if smem * pl.cdiv(cfg.num_blocks, mosaic.num_sms()) > 220 * 1024:
     raise ValueError(f"{smem // 1024} KiB of SMEM per block: no co-residence")
   if name == "fwd":
-    t = device_time(c.fwd(cfg), c.fwd_args)
+    ours = (c.fwd(cfg), c.fwd_args)
     nb = 4 * tensor + d * 2
   else:
-    t = device_time(c.bwd(cfg), c.bwd_args)
+    ours = (c.bwd(cfg), c.bwd_args)
     nb = 4 * tensor + d * 2 + cfg.num_blocks * cfg.block_rows * d * 4
+  times = common.time_interleaved(
+    {"ours": ours, "xla": xla[name]}, rounds=REPEATS, calls=CALLS
+  )
+  t = times["ours"]
   row = dict(
     d=d,
     pass_=name,
@@ -250,13 +259,16 @@ def _timed(c: Case, name: str, bs, copy_bw: float):
     num_blocks=cfg.num_blocks,
     smem_kib=smem // 1024,
   )
-  return row, t, nb
+  return row, t, nb, times["xla"]
 
 
 def measure(
   c: Case, copy_bw: float, records: list, rows: list, variants: dict
 ) -> None:
-  """Ours (defaults, then each of `variants`) vs XLA."""
+  """Ours (defaults, then each of `variants`) vs XLA, each pair timed in
+  alternation: a sustained run heats the chip and moves the clock, so
+  timing all of one program's batches before the other's compares them at
+  different clock states (`common.time_interleaved`)."""
   d = c.d
   case = f"T={T} D={d} bf16 residual+gamma"
   xla_fwd = jax.jit(lambda x, r, g: rms_norm_reference(x, g, r))
@@ -264,23 +276,24 @@ def measure(
   def xla_vjp(x, g, dy, dh, r):
     return jax.vjp(rms_norm_reference, x, g, r)[1]((dy, dh))
 
-  xla_args = [(x, g, dy, dh, r) for x, r, g, dy, dh in c.sets]
-  t_xla = {
-    "fwd": device_time(xla_fwd, c.fwd_args),
-    "bwd": device_time(jax.jit(xla_vjp), xla_args),
+  xla = {
+    "fwd": (xla_fwd, c.fwd_args),
+    "bwd": (
+      jax.jit(xla_vjp),
+      [(x, g, dy, dh, r) for x, r, g, dy, dh in c.sets],
+    ),
   }
-  _two_in_two_out(c, case, t_xla["fwd"], copy_bw, records)
+  _two_in_two_out(c, case, device_time(*xla["fwd"]), copy_bw, records)
   baseline = {"fwd": "xla: jit(reference)", "bwd": "xla: jit(reference VJP)"}
   runs = [("mosaic (default)", None, ("fwd", "bwd"))]
   runs += [(f"mosaic, {k}", bs, p) for k, (bs, p) in variants.items()]
   for impl, bs, passes in runs:
     for name in passes:
       try:
-        row, t, nb = _timed(c, name, bs, copy_bw)
+        row, t, nb, tx = _timed(c, name, bs, copy_bw, xla)
       except Exception as e:  # noqa: BLE001 - report and go on
         print(f"  D={d} {name} {impl} FAILED:", type(e).__name__, str(e)[:300])
         continue
-      tx = t_xla[name]
       row.update(impl=impl, xla_ms=tx * 1e3, speedup=tx / t)
       rows.append(row)
       print(
