@@ -10,9 +10,9 @@ residual and writes y, h (4·T·D·2 bytes); backward reads h, dy, dh_out and
 writes dh (4·T·D·2 bytes); gamma and the dgamma partials are added too.
 The ceiling is a device-to-device copy measured in the same process
 (bytes read + written).
-Each of our kernels is timed in alternation with XLA's (7 rounds, each one
-batch of 30 queued calls of both; `common.time_interleaved`) and the
-speedup is the ratio of the two medians.
+Each of our kernels is timed in alternation with XLA's (7 rounds of
+`common.device_time` with 30 calls for each; `common.time_interleaved`) and
+the speedup is the ratio of the two medians.
 
 Also timed, to show where the time goes (--parts): the same pipeline moving
 tiles without computing ("copy through SMEM"), the forward without
