@@ -3,6 +3,8 @@ runs never touch results/, and the report judges ratios against goals."""
 
 import json
 
+import pytest
+
 from benchmarks import common, report
 
 
@@ -149,3 +151,26 @@ def test_timed_sets_share_one_work_list():
     return len(re.findall(r"= \S+ scatter\(", txt))
 
   assert scatters(1) == scatters(4) == 1
+
+
+def test_device_time_drops_the_fixed_cost_of_a_batch(monkeypatch):
+  """On a fake clock where every call costs `per_call` and every batch
+  also pays `fixed` at its sync, `device_time` returns `per_call` (the
+  difference of a `2n`- and an `n`-call batch), where the mean of one
+  batch would carry `fixed / n`."""
+  now = [0.0]
+  per_call, fixed, calls = 3e-4, 5e-4, 20
+
+  def fn(x):
+    now[0] += per_call
+    return x
+
+  def sync(out):
+    now[0] += fixed
+    return out
+
+  monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(common.jax, "block_until_ready", sync)
+  got = common.device_time(fn, [(1,), (2,)], calls=calls, repeats=3)
+  assert got == pytest.approx(per_call)
+  assert (calls * per_call + fixed) / calls > 1.08 * got  # the old mean
