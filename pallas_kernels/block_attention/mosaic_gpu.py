@@ -115,12 +115,13 @@ against 98.1 us with RoPE left out: one warpgroup doing the passes one
 after another starves the two that wait on it.
 A trace of the benchmark's call (log-normal, four sets per call,
 2026-12-01) puts the forward kernel at 57.3 us a set and the work
-list's four small XLA ops at 4.6 us a call, while the call times 64.8 /
-65.6 us a set (two alternation runs): 6-7 us a set run outside any
-kernel. Programmatic dependent launch (`griddepcontrol` wait and launch
+list's four small XLA ops at 4.6 us a call, with the kernels back to
+back. Programmatic dependent launch (`griddepcontrol` wait and launch
 at the start of both kernels, so one kernel's launch and prologue may
-overlap the previous one's tail) did not shorten it: forward 66.0 /
-65.9 us, backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048:
+overlap the previous one's tail) did not help: timed in alternation
+as the mean over one batch of 10 calls (which
+`benchmarks/common.device_time` no longer uses: a batch's fixed cost
+rides on it), forward 66.0 / 65.9 against 64.8 / 65.6 us a set, backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048:
 forward 102.1 / 101.0 against 101.0 / 100.8, backward 216.1 / 215.9
 against 217.6 / 218.3); not kept.
 """
