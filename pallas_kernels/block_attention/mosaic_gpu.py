@@ -121,9 +121,10 @@ at the start of both kernels, so one kernel's launch and prologue may
 overlap the previous one's tail) did not help: timed in alternation
 as the mean over one batch of 10 calls (which
 `benchmarks/common.device_time` no longer uses: a batch's fixed cost
-rides on it), forward 66.0 / 65.9 against 64.8 / 65.6 us a set, backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048:
-forward 102.1 / 101.0 against 101.0 / 100.8, backward 216.1 / 215.9
-against 217.6 / 218.3); not kept.
+rides on it), forward 66.0 / 65.9 against 64.8 / 65.6 us a set,
+backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048: forward 102.1
+/ 101.0 against 101.0 / 100.8, backward 216.1 / 215.9 against 217.6 /
+218.3); not kept.
 """
 
 import dataclasses
@@ -739,15 +740,12 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
     full = [next(it) if p else None for p in present]
     return kernel(*head, *full)
 
-  return plgpu.kernel(
+  return mosaic.warp_specialized(
     body,
     out_type=out_type,
-    scratch_types=real,
+    scratch=real,
     grid=grid,
-    grid_names=("heads", "workers"),
-    num_threads=nwg + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=nwg,
     interpret=static.interpret,
   )(*args)
 
