@@ -257,3 +257,23 @@ def smem_swizzled(shape, dtype):
   any row count still need plain memory (`ladder_store`).
   """
   return plgpu.SMEM(shape, dtype, transforms=(SWIZZLE,))
+
+
+def warp_specialized(
+  kernel, *, out_type, scratch, grid, consumers, interpret, items="workers"
+):
+  """`plgpu.kernel` as every attention kernel launches it: a `(heads,
+  items)` grid (`items`: "workers" for persistent CTAs, "items" for one
+  CTA per work item), `consumers` compute warpgroups plus one producer on
+  the "wg" axis, approximate math (`exp2`, `tanh`)."""
+  return plgpu.kernel(
+    kernel,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=grid,
+    grid_names=("heads", items),
+    num_threads=consumers + 1,
+    thread_name="wg",
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=interpret,
+  )

@@ -815,17 +815,14 @@ def _run_query_side(
   (no softmax, so the parts simply add) summed into `dtype`."""
   n = shape[1]
   out_shape = (parts, *shape) if parts > 1 else shape
-  out = plgpu.kernel(
+  out = mosaic.warp_specialized(
     kernel,
     out_type=jax.ShapeDtypeStruct(
       out_shape, jnp.float32 if parts > 1 else dtype
     ),
-    scratch_types=scratch,
+    scratch=scratch,
     grid=(n // hpc, workers),
-    grid_names=("heads", "workers"),
-    num_threads=hpc + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=hpc,
     interpret=static.interpret,
   )(*args)
   if parts > 1:
@@ -1040,16 +1037,14 @@ def backward_dkv(
   if with_ds:
     scratch.append(tile((wgs, bkv, bq), dtype))
     out_type.append(jax.ShapeDtypeStruct((n, *ds_tiles, bkv, bq), dtype))
-  outs = plgpu.kernel(
+  outs = mosaic.warp_specialized(
     kernel,
     out_type=out_type,
-    scratch_types=scratch,
+    scratch=scratch,
     grid=(kh, num_items),
-    grid_names=("heads", "items"),
-    num_threads=wgs + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=wgs,
     interpret=interp,
+    items="items",
   )(items, q, k, v, do, q_side, do_side)
   dk, dv = outs[:2]
   if parts > 1:  # the parts simply add

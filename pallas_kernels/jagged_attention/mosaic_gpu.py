@@ -817,15 +817,12 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     jax.ShapeDtypeStruct((t, n, h), dtype),
     jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
   ]
-  return plgpu.kernel(
+  return mosaic.warp_specialized(
     kernel,
     out_type=out_type,
-    scratch_types=scratch,
+    scratch=scratch,
     grid=(n // hpc, workers),
-    grid_names=("heads", "workers"),
-    num_threads=hpc + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=hpc,
     interpret=static.interpret,
   )(items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side)
 
@@ -1114,18 +1111,15 @@ def backward_dq(
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
   ]
-  return plgpu.kernel(
+  return mosaic.warp_specialized(
     kernel,
     out_type=[
       jax.ShapeDtypeStruct((t, n, h), dtype),
       jax.ShapeDtypeStruct((n, num_items * bq), jnp.float32),
     ],
-    scratch_types=scratch,
+    scratch=scratch,
     grid=(n // hpc, workers),
-    grid_names=("heads", "workers"),
-    num_threads=hpc + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=hpc,
     interpret=static.interpret,
   )(
     items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh,
@@ -1538,14 +1532,11 @@ def backward_dkv(
     ]
     args += [k_side, dq]
   kv_type = jax.ShapeDtypeStruct((s, kh, h), dtype)
-  return plgpu.kernel(
+  return mosaic.warp_specialized(
     kernel,
     out_type=[kv_type, kv_type],
-    scratch_types=scratch,
+    scratch=scratch,
     grid=(kh, workers),
-    grid_names=("heads", "workers"),
-    num_threads=wgs + 1,
-    thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    consumers=wgs,
     interpret=static.interpret,
   )(*args)
