@@ -22,19 +22,21 @@ backward, `_bwd_bound`: cuBLAS fp8 for dX, and for dW too or not). Also the
 kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
 
-Timing: a measurement is a batch of 10 back-to-back calls (inputs rotated
-between two sets), so launch gaps overlap. Each of our forward and
-backward figures, and each XLA fp8 baseline, is timed in alternation with
-cuBLAS bf16 on the same shape (`_time_vs`, `common.time_interleaved`: 7
-rounds, medians), and its ratio is taken against that paired cuBLAS time:
-FP8 GEMMs slow down as the chip heats within seconds, so timing one after
-the other moved the ratio from 1.22x to 1.35x at 16384x4096x4096. Other
-figures are the median of 7 batches (`_time`). The memory-bound kernels
-(quantize, compared with the copy bandwidth) run four distinct inputs per
-call and queue 30 calls per repeat (`_time_mem`): with 10 calls, a
-batch's fixed overhead (~70 us on the H200) added ~7 us to a 60 us call,
-and with one input per call the host's ~32 us dispatch bounded the narrow
-shapes' ~28 us kernels. The 1 GiB copy ceiling
+Timing: a measurement is `common.device_time` over back-to-back calls
+(inputs rotated between two sets), so launch gaps overlap: since 2026-12-01
+the difference between batches of 20 and of 10 calls, free of a batch's
+fixed cost; the recorded table predates that and holds means over one batch
+of 10. Each of our forward and backward figures, and each XLA fp8 baseline,
+is timed in alternation with cuBLAS bf16 on the same shape (`_time_vs`,
+`common.time_interleaved`: 7 rounds, medians), and its ratio is taken
+against that paired cuBLAS time: FP8 GEMMs slow down as the chip heats
+within seconds, so timing one after the other moved the ratio from 1.22x to
+1.35x at 16384x4096x4096. Other figures are the median of 7 batches
+(`_time`). The memory-bound kernels (quantize, compared with the copy
+bandwidth) run four distinct inputs per call and queue 30 calls per repeat
+(`_time_mem`): with 10 calls, a batch's fixed overhead (~70 us on the H200)
+added ~7 us to a 60 us call, and with one input per call the host's ~32 us
+dispatch bounded the narrow shapes' ~28 us kernels. The 1 GiB copy ceiling
 (0.5 ms per call) reads the same with one or two copies per call.
 """
 
@@ -681,7 +683,6 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
         rv=rv,
         rs=rs,
         nbytes=nbytes,
-        first=name == configs[0][0],
       ):
         f = jax.jit(
           lambda x: quantize_mgpu.quantize_mgpu(
@@ -696,8 +697,6 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
         b.add(case, label, "values equal", same_v)
         b.add(case, label, "scales equal", same_s)
         t = _time_mem(f, xs)
-        if first:  # the old timing (10 queued calls) beside
-          b.add(case, label, "TB/s 10 calls", nbytes / _time(f, xs) / 1e12)
         b.add(
           case,
           label,

@@ -24,13 +24,14 @@ development machine shared with other work (so CPU times are noisy).
 GPU times are device time per call from queued calls
 (`benchmarks/common.device_time`). Since 2026-12-01's block-attention,
 GDPA and RMSNorm runs, each figure is the difference between a batch of
-`2n` calls and one of `n`, which drops a fixed cost of about 0.49 ms a
-batch (first dispatch, final sync); the jagged-attention and FP8 tables,
-and rows dated earlier, are means over one batch of `n` and carry that
-cost spread over the batch (20-25 us a call at `n = 20`). A program
-whose host dispatch is slower than its device work is timed at the
-host's rate: GDPA's pooled forward is (its run printed a dispatch of 142
-us a call of four sets, 35.4 us a set, against 34.6 us timed).
+`2n` calls and one of `n`, which drops a batch's fixed cost (first
+dispatch, final sync: about 0.49 ms for a four-set GDPA forward, less for
+programs quicker to dispatch); the jagged-attention and FP8 tables, and
+rows dated earlier, are means over one batch of `n` and carry that cost
+spread over the batch (20-25 us a call for that GDPA forward at `n = 20`).
+A program whose host dispatch is slower than its device work is timed at
+the host's rate: GDPA's pooled forward is (its run printed a dispatch of
+142 us a call of four sets, 35.4 us a set, against 34.6 us timed).
 """
 
 
