@@ -58,13 +58,12 @@ def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
   one of `2 * calls`, and takes the difference per added call, which is
   free of that cost; the median over `repeats` is returned.
 
-  On the H200 machine (2026-12-01) that fixed cost was about 0.49 ms a
-  batch: a 4-set GDPA forward timed 354 us a call in batches of 20 and
-  335 in batches of 100, against 330 us of device work in its trace
-  (kernels plus the gaps between them). The jagged-attention and FP8
-  tables, and any dated before 2026-12-01, were timed the earlier way: the
-  mean over one batch of `calls` (20 for `time_sets`), which carries that
-  cost spread over the batch.
+  On the H200 machine (2026-12-01) a 4-set GDPA forward timed 354.5 us a
+  call as the mean of one batch of 20 and 334.5 us of one batch of 100,
+  against 330 us of device work in its trace (kernels plus the gaps
+  between them): a fixed cost of about 0.5 ms a batch fits both
+  (`(354.5 - 334.5) us = C (1/20 - 1/100)`). Which tables were timed the
+  earlier way (one batch's mean) is said in BENCHMARKS.md's header.
 
   A program whose host dispatch is slower than its device work is timed
   at the host's rate instead; the host time per call is printed when it

@@ -31,9 +31,9 @@ is timed in alternation with cuBLAS bf16 on the same shape (`_time_vs`,
 `common.time_interleaved`: 7 rounds, medians), and its ratio is taken
 against that paired cuBLAS time: FP8 GEMMs slow down as the chip heats
 within seconds, so timing one after the other moved the ratio from 1.22x to
-1.35x at 16384x4096x4096. Other figures are the median of 7 batches
+1.35x at 16384x4096x4096. Other figures are the median of 7 repeats
 (`_time`). The memory-bound kernels (quantize, compared with the copy
-bandwidth) run four distinct inputs per call and queue 30 calls per repeat
+bandwidth) run four distinct inputs per call in batches of 30 and 60 calls
 (`_time_mem`): with 10 calls, a batch's fixed overhead (~70 us on the H200)
 added ~7 us to a 60 us call, and with one input per call the host's ~32 us
 dispatch bounded the narrow shapes' ~28 us kernels. The 1 GiB copy ceiling

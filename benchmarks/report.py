@@ -25,13 +25,17 @@ GPU times are device time per call from queued calls
 (`benchmarks/common.device_time`). Since 2026-12-01's block-attention,
 GDPA and RMSNorm runs, each figure is the difference between a batch of
 `2n` calls and one of `n`, which drops a batch's fixed cost (first
-dispatch, final sync: about 0.49 ms for a four-set GDPA forward, less for
-programs quicker to dispatch); the jagged-attention and FP8 tables, and
+dispatch, final sync): a four-set GDPA forward timed 354.5 us a call as
+the mean of a 20-call batch and 334.5 us of a 100-call one, against 330
+us of device work in its trace. The jagged-attention and FP8 tables, and
 rows dated earlier, are means over one batch of `n` and carry that cost
-spread over the batch (20-25 us a call for that GDPA forward at `n = 20`).
+spread over the batch.
 A program whose host dispatch is slower than its device work is timed at
-the host's rate: GDPA's pooled forward is (its run printed a dispatch of
-142 us a call of four sets, 35.4 us a set, against 34.6 us timed).
+the host's rate, and `device_time` prints so. GDPA's pooled case was: its
+run printed dispatches of 141.7 and 403.3 us per four-set call for our
+forward and forward+backward (and 267.2 us for cuDNN's forward), against
+34.6 and 83.4 us a set timed, so its rows, goal marks included, compare
+dispatch rates, not device time.
 """
 
 
