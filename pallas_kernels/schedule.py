@@ -109,6 +109,7 @@ def jagged_tile_schedule(
   *,
   align: int = 1,
   cost: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+  seq_cost: Callable[[jax.Array], jax.Array] | None = None,
   num_items: int | None = None,
 ) -> TileSchedule:
   """Work list of `block`-row tiles over the sequences of `offsets`.
@@ -122,11 +123,21 @@ def jagged_tile_schedule(
     cost: `cost(seq_i, tile_i) -> int32[i]`, the work of each item (e.g. the
       number of key tiles it visits); larger runs first. Default: one per
       item, which keeps sequence order.
+    seq_cost: instead of `cost`, when every tile of a sequence costs the
+      same: `seq_cost(seq_b) -> int32[b+1]` (tail pseudo-sequence
+      included). The same list, built by ordering the sequences rather
+      than the items (`_by_sequence`).
     num_items: static list length; default `max_items(...)`.
   """
+  if cost is not None and seq_cost is not None:
+    raise ValueError("give cost or seq_cost, not both")
   offsets_e = extend_offsets(offsets, capacity)
   if num_items is None:
     num_items = max_items(capacity, offsets_e.shape[0] - 2, block, align)
+  if seq_cost is not None:
+    if offsets_e.shape[0] - 1 <= RANK_BY_COMPARE_MAX:
+      return _by_sequence(offsets_e, block, align, num_items, seq_cost)
+    cost = lambda seq, tile: seq_cost(seq)  # noqa: E731
   seq, tile, valid, tile_start_b = enumerate_tiles(
     offsets_e, block, align, num_items
   )
@@ -146,6 +157,53 @@ def jagged_tile_schedule(
     valid_i=valid[order],
     num_items=tile_start_b[-1],
     tile_start_b=tile_start_b,
+  )
+
+
+def _by_sequence(offsets_e, block, align, num_items, seq_cost):
+  """`jagged_tile_schedule` for a per-sequence cost, without sorting items.
+
+  A stable sort of the items by decreasing cost keeps each sequence's
+  tiles together and in order, and puts sequences of equal cost in index
+  order; so it is the sequences, ordered that way, laid end to end. Each
+  sequence's place comes from comparing all pairs of sequences, and each
+  item finds its sequence by comparing its position with every sequence's
+  range: `[b, b]` and `[i, b]` compare-and-sum fusions, with no sort,
+  scatter or cumulative sum between them (a GPU runs each small XLA op as
+  its own kernel launch).
+  """
+  nb = offsets_e.shape[0] - 1  # sequences + the tail pseudo-sequence
+  lengths_b = offsets_e[1:] - offsets_e[:-1]
+  lead_b = lead_rows(offsets_e[:-1], align)
+  n_tiles_b = jnp.where(
+    lengths_b > 0, (lengths_b + lead_b + block - 1) // block, 0
+  )
+  seq_b = jnp.arange(nb, dtype=jnp.int32)
+  work_b = seq_cost(seq_b).astype(jnp.int32)
+  m, j = seq_b[None, :], seq_b[:, None]  # [j, m]: does m come before j?
+  in_order = m < j
+  in_list = (work_b[None, :] > work_b[:, None]) | (
+    (work_b[None, :] == work_b[:, None]) & in_order
+  )
+  tile_start_b = jnp.where(in_order, n_tiles_b[None, :], 0).sum(axis=1)
+  list_start_b = jnp.where(in_list, n_tiles_b[None, :], 0).sum(axis=1)
+  total = n_tiles_b.sum()
+  p = jnp.arange(num_items, dtype=jnp.int32)
+  rel = p[:, None] - list_start_b[None, :]  # [i, b]
+  hit = (rel >= 0) & (rel < n_tiles_b[None, :])
+  valid = p < total
+  # Padding items: the tail pseudo-sequence's, past its tiles (as the
+  # item sort leaves them).
+  seq = jnp.where(valid, jnp.where(hit, seq_b[None, :], 0).sum(axis=1), nb - 1)
+  tile_start_e = jnp.concatenate([tile_start_b, total[None]])
+  tile = jnp.where(valid, p - list_start_b[seq], p - tile_start_b[nb - 1])
+  return TileSchedule(
+    seq_i=seq,
+    tile_i=tile,
+    tile_id_i=jnp.where(valid, tile_start_b[seq] + tile, p),
+    valid_i=valid,
+    num_items=total,
+    tile_start_b=tile_start_e.astype(jnp.int32),
   )
 
 

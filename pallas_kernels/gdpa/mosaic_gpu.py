@@ -307,7 +307,7 @@ def key_items(
     s,
     block_kv,
     align=mosaic.ALIGN,
-    cost=lambda seq, tile: n_q_b[seq] + 1,
+    seq_cost=lambda seq: n_q_b[seq] + 1,
   )
   seq, tile, valid = sched.seq_i, sched.tile_i, sched.valid_i
   kv_pos = tile * block_kv - kv_lead_b[seq]

@@ -270,12 +270,12 @@ def query_items(
       steps = total
     return q_pos, lo, hi, steps, first
 
+  if causal or window is not None:
+    cost = {"cost": lambda s, i: geometry(s, i)[3] + 1}
+  else:  # every query tile visits all its sequence's key tiles
+    cost = {"seq_cost": lambda s: kv_total_b[s] + 1}
   sched = schedule.jagged_tile_schedule(
-    q_offsets,
-    t,
-    block_q,
-    align=mosaic.ALIGN,
-    cost=lambda s, i: geometry(s, i)[3] + 1,
+    q_offsets, t, block_q, align=mosaic.ALIGN, **cost
   )
   seq, tile = sched.seq_i, sched.tile_i
   q_pos, lo, hi, steps, first = geometry(seq, tile)
@@ -353,12 +353,12 @@ def key_items(
       n_masked = jnp.zeros_like(tile)
     return kv_pos, lo, hi, first, n_q - first, n_masked
 
+  if causal or window is not None:
+    cost = {"cost": lambda a, b: geometry(a, b)[4] + 1}
+  else:  # every key tile visits all its sequence's query tiles
+    cost = {"seq_cost": lambda a: n_q_b[a] + 1}
   sched = schedule.jagged_tile_schedule(
-    kv_offsets,
-    s,
-    block_kv,
-    align=mosaic.ALIGN,
-    cost=lambda a, b: geometry(a, b)[4] + 1,
+    kv_offsets, s, block_kv, align=mosaic.ALIGN, **cost
   )
   seq, tile = sched.seq_i, sched.tile_i
   kv_pos, lo, hi, first, steps, n_masked = geometry(seq, tile)

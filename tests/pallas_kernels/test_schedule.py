@@ -56,3 +56,44 @@ def test_fold_factor_and_layout():
       np.testing.assert_array_equal(
         y[r * f + i % f, j * (g // f) + i // f], x[r, j * g + i]
       )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_sequence_cost_gives_the_item_sort_list(seed):
+  """`seq_cost` (sequences ordered, no item sort) builds exactly the list
+  that sorting the items by the same cost builds, padding items included:
+  zero-length sequences, a buffer tail, ties, one long sequence."""
+  rng = np.random.default_rng(seed)
+  b = int(rng.integers(1, 12))
+  lens = rng.integers(0, 300, b)
+  lens[rng.random(b) < 0.3] = 0
+  lens[0] = 2048 if seed % 2 else lens[0]
+  off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  capacity = int(off[-1]) + int(rng.integers(0, 150))
+  work = jnp.asarray(rng.integers(0, 4, b + 1).astype(np.int32))
+  for block, align in ((64, 8), (128, 8), (64, 1)):
+    got = schedule.jagged_tile_schedule(
+      off, capacity, block, align=align, seq_cost=lambda s: work[s]
+    )
+    want = schedule.jagged_tile_schedule(
+      off, capacity, block, align=align, cost=lambda s, t: work[s]
+    )
+    for name, g, w in zip(got._fields, got, want, strict=True):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w), name)
+    build = functools.partial(
+      schedule.jagged_tile_schedule,
+      capacity=capacity,
+      block=block,
+      align=align,
+      seq_cost=lambda s: work[s],
+    )
+    jaxpr = str(jax.make_jaxpr(build)(off))
+    assert "scatter" not in jaxpr and "cumsum" not in jaxpr
+
+
+def test_cost_and_seq_cost_are_exclusive():
+  with pytest.raises(ValueError, match="not both"):
+    schedule.jagged_tile_schedule(
+      np.array([0, 5], np.int32), 8, 64, cost=lambda s, t: s,
+      seq_cost=lambda s: s,
+    )  # fmt: skip
