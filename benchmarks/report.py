@@ -22,20 +22,23 @@ its baselines in the same process. GPU figures come from the lent NVIDIA H200
 development machine shared with other work (so CPU times are noisy).
 
 GPU times are device time per call from queued calls
-(`benchmarks/common.device_time`). Since 2026-12-01's block-attention,
-GDPA and RMSNorm runs, each figure is the difference between a batch of
-`2n` calls and one of `n`, which drops a batch's fixed cost (first
-dispatch, final sync): a four-set GDPA forward timed 354.5 us a call as
-the mean of a 20-call batch and 334.5 us of a 100-call one, against 330
-us of device work in its trace. The jagged-attention and FP8 tables, and
-rows dated earlier, are means over one batch of `n` and carry that cost
-spread over the batch.
-A program whose host dispatch is slower than its device work is timed at
-the host's rate, and `device_time` prints so. GDPA's pooled case was: its
-run printed dispatches of 141.7 and 403.3 us per four-set call for our
-forward and forward+backward (and 267.2 us for cuDNN's forward), against
-34.6 and 83.4 us a set timed, so its rows, goal marks included, compare
-dispatch rates, not device time.
+(`benchmarks/common.device_time`). Rows dated 2026-12-01 take the
+difference between a batch of `2n` calls and one of `n`, which drops a
+batch's fixed cost (first dispatch, final sync): a four-set GDPA forward
+timed 354.5 us a call as the mean of a 20-call batch and 334.5 us of a
+100-call one, against 330 us of device work in its trace. Rows dated
+earlier (the XLA baselines of jagged attention and GDPA, GDPA's variants,
+the FP8 32x32-format quantizers) are means over one batch of `n` and
+carry that cost spread over the batch.
+
+A program whose host dispatch keeps up with the device only barely (many
+small ops: GDPA's pooled case, jagged attention's cands mix, the smallest
+FP8 programs) would be timed at the host's rate. For those,
+`device_time` prints the dispatch time and uses the device's busy time
+from a profiler trace of the same calls (`common.trace_busy_time`: time
+some op runs; the gaps between ops, host-inflated there, left out). In
+the 2026-12-01 pooled run our forward dispatched at 160.8 us per four-set
+call against 109.1 us busy; cuDNN's pooled programs were not host-bound.
 """
 
 

@@ -181,3 +181,44 @@ def test_device_time_drops_the_fixed_cost_of_a_batch(monkeypatch):
   # calls, rotating over the sets.
   assert len(seen) == 2 + 3 * (calls + 2 * calls)
   assert seen[2:6] == [1, 2, 1, 2]
+
+
+def test_host_bound_programs_are_timed_from_a_trace(monkeypatch):
+  """When dispatching a call takes the host about as long as the call
+  takes (a GPU program of many small ops), the clock times the host; then
+  `device_time` returns the device's busy time from a trace."""
+  now = [0.0]
+
+  def fn(x):
+    now[0] += 3e-4  # all of it host time: the device keeps up
+    return x
+
+  monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(common.jax, "block_until_ready", lambda out: out)
+  monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+  traced = []
+
+  def busy(fn_, arg_sets, calls):
+    traced.append(calls)
+    return 1e-4
+
+  monkeypatch.setattr(common, "trace_busy_time", busy)
+  assert common.device_time(fn, [(1,)], calls=10, repeats=2) == 1e-4
+  assert traced == [10]
+  monkeypatch.setattr(common.jax, "default_backend", lambda: "cpu")
+  got = common.device_time(fn, [(1,)], calls=10, repeats=2)
+  assert got == pytest.approx(3e-4)
+
+
+def test_busy_time_is_the_union_of_op_intervals(tmp_path):
+  assert common.union_length([]) == 0
+  assert common.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+  # A real trace (on CPU: the host's threads stand in for the device).
+  import jax
+  import jax.numpy as jnp
+
+  f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+  x = jnp.ones((256, 256))
+  f(x).block_until_ready()
+  t = common.trace_busy_time(f, [(x,)], calls=3, device="/host:CPU")
+  assert t > 0
