@@ -246,8 +246,11 @@ def _cs_bytes(h, rope, f32):
   return _cs_planes(f32) * TILE * (h // 2) * 2 if rope else 0  # f16 planes
 
 
-def _fwd_smem(h, nwg, stages, rope, rope_f32, dtype_bytes=2):
-  tile = TILE * h * dtype_bytes
+# Shared-memory bytes of the kernels (16-bit inputs: bf16 or fp16).
+
+
+def _fwd_smem(h, nwg, stages, rope, rope_f32):
+  tile = TILE * h * 2
   return (
     4 * tile  # K, V raw and tiled
     + _cs_bytes(h, rope, rope_f32)
@@ -256,15 +259,15 @@ def _fwd_smem(h, nwg, stages, rope, rope_f32, dtype_bytes=2):
   )
 
 
-def _bwd_smem(h, rope, dtype_bytes=2):
-  tile = TILE * h * dtype_bytes
+def _bwd_smem(h, rope):
+  tile = TILE * h * 2
   return (
     4 * tile  # K, V raw and tiled
     + _cs_bytes(h, rope, f32=False)  # the high terms only
     + 2 * BWD_QD_STAGES * tile  # Q, dO raw (a ring)
     + 2 * 2 * tile  # Q, dO tiled, two heads' worth
     # P and dS, aliased with dK's staging (swizzled or plain)
-    + max(tile, 2 * TILE * TILE * dtype_bytes)
+    + max(tile, 2 * TILE * TILE * 2)
     + tile  # dQ's and dV's staging (swizzled or plain)
   )
 
