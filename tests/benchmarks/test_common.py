@@ -205,6 +205,10 @@ def test_host_bound_programs_are_timed_from_a_trace(monkeypatch):
   monkeypatch.setattr(common, "trace_busy_time", busy)
   assert common.device_time(fn, [(1,)], calls=10, repeats=2) == 1e-4
   assert traced == [10]
+  # A trace without device ops keeps the clock's figure.
+  monkeypatch.setattr(common, "trace_busy_time", lambda *a: 0.0)
+  got = common.device_time(fn, [(1,)], calls=10, repeats=2)
+  assert got == pytest.approx(3e-4)
   monkeypatch.setattr(common.jax, "default_backend", lambda: "cpu")
   got = common.device_time(fn, [(1,)], calls=10, repeats=2)
   assert got == pytest.approx(3e-4)
