@@ -94,8 +94,10 @@ def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
   if host >= 0.9 * sec and jax.default_backend() == "gpu":
     busy = trace_busy_time(fn, arg_sets, calls)
     if busy <= 0:  # no device op in the trace: keep the clock's figure
-      print(f"    (host-bound: dispatch {host * 1e6:.1f} us a call; no "
-            "device op in its trace, so timed at the host's rate)")  # fmt: skip
+      print(
+        f"    (host-bound: dispatch {host * 1e6:.1f} us a call; no device "
+        "op in its trace, so timed at the host's rate)"
+      )
       return sec
     print(
       f"    (host-bound: dispatch {host * 1e6:.1f} us a call, timed "
@@ -121,7 +123,7 @@ def trace_busy_time(fn, arg_sets, calls: int, device="/device:GPU") -> float:
       for i in range(calls):
         out = fn(*arg_sets[i % len(arg_sets)])
       jax.block_until_ready(out)
-    events = _trace_events(log_dir)
+    events = _trace_events(log_dir) or []  # no trace written: no ops
   names = _process_names(events)
   spans = [
     (e["ts"], e["ts"] + e.get("dur", 0.0))

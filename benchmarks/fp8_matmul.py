@@ -22,22 +22,22 @@ backward, `_bwd_bound`: cuBLAS fp8 for dX, and for dW too or not). Also the
 kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
 
-Timing: a measurement is `common.device_time` over back-to-back calls
-(inputs rotated between two sets), so launch gaps overlap: since 2026-12-01
-the difference between batches of 20 and of 10 calls, free of a batch's
-fixed cost; the recorded table predates that and holds means over one batch
-of 10. Each of our forward and backward figures, and each XLA fp8 baseline,
-is timed in alternation with cuBLAS bf16 on the same shape (`_time_vs`,
-`common.time_interleaved`: 7 rounds, medians), and its ratio is taken
-against that paired cuBLAS time: FP8 GEMMs slow down as the chip heats
-within seconds, so timing one after the other moved the ratio from 1.22x to
-1.35x at 16384x4096x4096. Other figures are the median of 7 repeats
-(`_time`). The memory-bound kernels (quantize, compared with the copy
-bandwidth) run four distinct inputs per call in batches of 30 and 60 calls
-(`_time_mem`): with 10 calls, a batch's fixed overhead (~70 us on the H200)
-added ~7 us to a 60 us call, and with one input per call the host's ~32 us
-dispatch bounded the narrow shapes' ~28 us kernels. The 1 GiB copy ceiling
-(0.5 ms per call) reads the same with one or two copies per call.
+Timing: a measurement is `common.device_time` over back-to-back calls (inputs
+rotated between two sets), so launch gaps overlap: since 2026-12-01 the
+difference between batches of 20 and of 10 calls, free of a batch's fixed cost
+(rows dated earlier, the 32x32-format quantizers', hold means over one batch of
+10). Each of our forward and backward figures, and each XLA fp8 baseline, is
+timed in alternation with cuBLAS bf16 on the same shape (`_time_vs`,
+`common.time_interleaved`: 7 rounds, medians), and its ratio is taken against
+that paired cuBLAS time: FP8 GEMMs slow down as the chip heats within seconds,
+so timing one after the other moved the ratio from 1.22x to 1.35x at
+16384x4096x4096. Other figures are the median of 7 repeats (`_time`). The
+memory-bound kernels (quantize, compared with the copy bandwidth) run four
+distinct inputs per call in batches of 30 and 60 calls (`_time_mem`): with 10
+calls, a batch's fixed overhead (~70 us on the H200) added ~7 us to a 60 us
+call, and with one input per call the host's ~32 us dispatch bounded the narrow
+shapes' ~28 us kernels. The 1 GiB copy ceiling (0.5 ms per call) reads the same
+with one or two copies per call.
 """
 
 import argparse

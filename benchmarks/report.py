@@ -27,9 +27,9 @@ difference between a batch of `2n` calls and one of `n`, which drops a
 batch's fixed cost (first dispatch, final sync): a four-set GDPA forward
 timed 354.5 us a call as the mean of a 20-call batch and 334.5 us of a
 100-call one, against 330 us of device work in its trace. Rows dated
-earlier (the XLA baselines of jagged attention and GDPA, GDPA's variants,
-the FP8 32x32-format quantizers) are means over one batch of `n` and
-carry that cost spread over the batch.
+earlier (the XLA baselines of jagged attention and GDPA, the FP8
+32x32-format quantizers) are means over one batch of `n` and carry that
+cost spread over the batch.
 
 A program whose host dispatch keeps up with the device only barely (many
 small ops: GDPA's pooled case, jagged attention's cands mix, the smallest

@@ -76,6 +76,14 @@ def lead_rows(offsets, align: int):
   return jnp.asarray(offsets, jnp.int32) % align
 
 
+def tiles_per_sequence(offsets_e, block: int, align: int):
+  """`int32[b]`: tiles of each sequence of `offsets_e` (0 when empty), on
+  its `align`-row grid (see `enumerate_tiles`)."""
+  lengths_b = offsets_e[1:] - offsets_e[:-1]
+  lead_b = lead_rows(offsets_e[:-1], align)
+  return jnp.where(lengths_b > 0, (lengths_b + lead_b + block - 1) // block, 0)
+
+
 def enumerate_tiles(offsets_e, block: int, align: int, num_items: int):
   """Unsorted items: (seq, tile, valid) for ids `0..num_items)`, and starts.
 
@@ -86,11 +94,7 @@ def enumerate_tiles(offsets_e, block: int, align: int, num_items: int):
   jagged_attention/mosaic_gpu.py).
   """
   num_seqs = offsets_e.shape[0] - 1
-  lengths_b = offsets_e[1:] - offsets_e[:-1]
-  lead_b = lead_rows(offsets_e[:-1], align)
-  n_tiles_b = jnp.where(
-    lengths_b > 0, (lengths_b + lead_b + block - 1) // block, 0
-  )
+  n_tiles_b = tiles_per_sequence(offsets_e, block, align)
   ends_b = jnp.cumsum(n_tiles_b)
   tile_start_b = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_b])
   j = jnp.arange(num_items, dtype=jnp.int32)
@@ -184,11 +188,7 @@ def _by_sequence(offsets_e, block, align, num_items, seq_cost):
   explained yet.
   """
   nb = offsets_e.shape[0] - 1  # sequences + the tail pseudo-sequence
-  lengths_b = offsets_e[1:] - offsets_e[:-1]
-  lead_b = lead_rows(offsets_e[:-1], align)
-  n_tiles_b = jnp.where(
-    lengths_b > 0, (lengths_b + lead_b + block - 1) // block, 0
-  )
+  n_tiles_b = tiles_per_sequence(offsets_e, block, align)
   seq_b = jnp.arange(nb, dtype=jnp.int32)
   work_b = seq_cost(seq_b).astype(jnp.int32)
   m, j = seq_b[None, :], seq_b[:, None]  # [j, m]: does m come before j?
@@ -214,7 +214,7 @@ def _by_sequence(offsets_e, block, align, num_items, seq_cost):
     tile_id_i=jnp.where(valid, tile_start_b[seq] + tile, p),
     valid_i=valid,
     num_items=total,
-    tile_start_b=tile_start_e.astype(jnp.int32),
+    tile_start_b=tile_start_e,
   )
 
 

@@ -2,6 +2,7 @@
 runs never touch results/, and the report judges ratios against goals."""
 
 import json
+import time
 
 import pytest
 
@@ -214,7 +215,7 @@ def test_host_bound_programs_are_timed_from_a_trace(monkeypatch):
   assert got == pytest.approx(3e-4)
 
 
-def test_busy_time_is_the_union_of_op_intervals(tmp_path):
+def test_busy_time_is_the_union_of_op_intervals(monkeypatch):
   assert common.union_length([]) == 0
   assert common.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
   # A real trace (on CPU: the host's threads stand in for the device).
@@ -224,5 +225,11 @@ def test_busy_time_is_the_union_of_op_intervals(tmp_path):
   f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
   x = jnp.ones((256, 256))
   f(x).block_until_ready()
+  t0 = time.perf_counter()
   t = common.trace_busy_time(f, [(x,)], calls=3, device="/host:CPU")
-  assert t > 0
+  assert 0 < t <= (time.perf_counter() - t0) / 3
+  # No trace written (or no op of that device): no busy time, which
+  # `device_time` answers with the clock's figure.
+  assert common.trace_busy_time(f, [(x,)], calls=3, device="/nothing") == 0
+  monkeypatch.setattr(common, "_trace_events", lambda log_dir: None)
+  assert common.trace_busy_time(f, [(x,)], calls=3) == 0

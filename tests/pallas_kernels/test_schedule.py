@@ -59,10 +59,17 @@ def test_fold_factor_and_layout():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_per_sequence_cost_gives_the_item_sort_list(seed):
+@pytest.mark.parametrize("by_sequence", [True, False])
+def test_per_sequence_cost_gives_the_item_sort_list(
+  seed, by_sequence, monkeypatch
+):
   """`seq_cost` (sequences ordered, no item sort) builds exactly the list
   that sorting the items by the same cost builds, padding items included:
-  zero-length sequences, a buffer tail, ties, one long sequence."""
+  zero-length sequences, a buffer tail, ties, one long sequence.
+  `by_sequence=False`: past `RANK_BY_COMPARE_MAX` sequences it falls back
+  to the item sort."""
+  if not by_sequence:
+    monkeypatch.setattr(schedule, "RANK_BY_COMPARE_MAX", 0)
   rng = np.random.default_rng(seed)
   b = int(rng.integers(1, 12))
   lens = rng.integers(0, 300, b)
@@ -80,6 +87,7 @@ def test_per_sequence_cost_gives_the_item_sort_list(seed):
     )
     for name, g, w in zip(got._fields, got, want, strict=True):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w), name)
+      assert g.dtype == w.dtype, name
     build = functools.partial(
       schedule.jagged_tile_schedule,
       capacity=capacity,
@@ -88,7 +96,8 @@ def test_per_sequence_cost_gives_the_item_sort_list(seed):
       seq_cost=lambda s: work[s],
     )
     jaxpr = str(jax.make_jaxpr(build)(off))
-    assert "scatter" not in jaxpr and "cumsum" not in jaxpr
+    sorted_items = "scatter" in jaxpr or "cumsum" in jaxpr
+    assert sorted_items == (not by_sequence)
 
 
 def test_cost_and_seq_cost_are_exclusive():
