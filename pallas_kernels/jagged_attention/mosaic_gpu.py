@@ -88,10 +88,13 @@ registers) streams K/V (or Q/dO/lse/delta in the dK/dV kernel) through a
 2-stage ring guarded by mbarriers, while two consumer warpgroups compute.
 In the forward and dQ kernels the two consumers take two query heads of one
 KV-head group on the same rows (they share every K/V tile and stop together),
-ping-ponging softmax against the tensor core as in FlashAttention-3. In the
-dK/dV kernel each consumer owns 64 key rows and accumulates dK/dV over all
-`g` query heads of its KV head before one store: the GQA reduction happens
-inside the kernel (O7). With an odd group the forward/dQ CTAs take one head.
+ping-ponging softmax against the tensor core as in FlashAttention-3; the
+head-dim-128 forward instead overlaps each consumer's softmax with its own
+next wgmmas (FlashAttention-3's intra-warpgroup overlap,
+`BlockSizes.fwd_overlap`). In the dK/dV kernel each consumer owns 64 key
+rows and accumulates dK/dV over all `g` query heads of its KV head before
+one store: the GQA reduction happens inside the kernel (O7). With an odd
+group the forward/dQ CTAs take one head.
 
 The backward at head dim 64 (`BlockSizes.fused_bwd`) is a small delta
 kernel (`delta = rowsum(O * dO)`, tile-padded like `lse`) and one fused
@@ -137,6 +140,8 @@ class BlockSizes:
   block_kv_dkv: int = 64  # key rows per consumer warpgroup, dK/dV kernel
   max_concurrent_steps: int = 2  # ring depth of the producer
   persistent: bool = True  # forward: persistent CTAs (see `forward`)
+  fwd_overlap: bool = False  # forward: tile i's Q K^T and tile i-1's P V
+  # in flight together, the softmax under them (FlashAttention-3)
   fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
   dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
   # memory: the wgmma-layout store hits one bank octet per 8 rows)
@@ -162,7 +167,18 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Measured on the H200 (development runs): the
+    """Measured on the H200 (development runs). The forward's
+    intra-warpgroup overlap (`fwd_overlap`; same outputs, bit for bit),
+    2026-12-01, B=32 log-normal, ms a set timed in alternation with the
+    default and cuDNN over two runs: D128 forward+backward 1.562 / 1.583
+    against 1.585 / 1.628 (1.5% / 2.8% faster), forward alone 0.364 /
+    0.368 against 0.374 / 0.359 (within the runs' spread), all-2,048
+    forward 0.968 against 0.988; D64 forward 0.275 / 0.274 against 0.256
+    / 0.255 (7% slower: at D64 the softmax is the larger share, and the
+    two consumers' ping-pong hides it better), so only D128 takes it. With
+    the consumers also issuing their wgmmas in turn (FA3's ping-pong on top,
+    by a pair of mbarriers) it was slower still: D128 forward 0.383, D64
+    0.293. The
     fused backward is 5% faster than the two-kernel one at head dim 64 and
     7-9% slower at 128 (23% slower with both persistent, session 6), so 128
     keeps the dQ kernel (64-key steps: a 128-key ring does not fit beside
@@ -185,7 +201,7 @@ class BlockSizes:
     0.0024-0.0025). Dropped."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
-    return BlockSizes(fused_bwd=False)
+    return BlockSizes(fused_bwd=False, fwd_overlap=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,21 +448,24 @@ def _visible(q_at, k_at, causal: bool, window: int | None):
   return ok
 
 
-def _key_loop(step, carry, kv_steps, causal, first_row, bkv, window=None):
+def _key_loop(step, carry, kv_steps, causal, first_row, bkv, window=None,
+              start=0):  # fmt: skip
   """`step(i, carry, masked=...)` over a query tile's key tiles
-  `[0, kv_steps)`. Causal: key tiles wholly at key-grid positions `<=
+  `[start, kv_steps)`. Causal: key tiles wholly at key-grid positions `<=
   first_row` (the tile's first valid query row) need no mask, the rest
   (the diagonal) do; with a window all are masked; otherwise none is."""
   if window is not None:
     return lax.fori_loop(
-      0, kv_steps, functools.partial(step, masked=True), carry
+      start, kv_steps, functools.partial(step, masked=True), carry
     )
   if not causal:
     return lax.fori_loop(
-      0, kv_steps, functools.partial(step, masked=False), carry
+      start, kv_steps, functools.partial(step, masked=False), carry
     )
-  n_full = jnp.clip(lax.div(first_row + 1, bkv), 0, kv_steps)
-  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  n_full = jnp.clip(lax.div(first_row + 1, bkv), start, kv_steps)
+  carry = lax.fori_loop(
+    start, n_full, functools.partial(step, masked=False), carry
+  )
   return lax.fori_loop(
     n_full, kv_steps, functools.partial(step, masked=True), carry
   )
@@ -620,7 +639,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       return fields, hi_lo, steps, fields[8], fields[11]
 
     def sched():
-      if hpc == 2:
+      # Ping-pong of the two consumers (not with `fwd_overlap`, where each
+      # overlaps its own softmax with its wgmmas).
+      if hpc == 2 and not bs.fwd_overlap:
         mosaic.meet(sched_bar)
 
     @pl.when(wg < hpc)
@@ -670,19 +691,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
           pl.when(wg == 1)(sched)
 
-          def step(i, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(base + i, mcs)
-
-            def qk_body(acc_ref):
-              plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-              sched()
-              return acc_ref[...]
-
-            qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            # Last read of this item's Q: prefetch the next item's.
-            pl.when(i == kv_steps - 1)(lambda: load_q(j + 1))
+          def softmax(qk, m_i, l_i, i, masked: bool):
+            """Online softmax of key tile i's scores: (P in the input
+            dtype, new row max, new row sum, the old terms' rescale)."""
             if masked:
               kt = i if first is None else first + i
               q_at = mosaic.iota((bq, bkv), 0) + q_pos
@@ -699,10 +710,29 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
               m_use = mosaic.select(m_ij == -jnp.inf, 0.0, m_ij)
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
             l_i = l_i + p.sum(axis=1)
+            return p16, m_ij, l_i, alpha
+
+          def rescale(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+          def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(base + i, mcs)
+
+            def qk_body(acc_ref):
+              plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+              sched()
+              return acc_ref[...]
+
+            qk = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            # Last read of this item's Q: prefetch the next item's.
+            pl.when(i == kv_steps - 1)(lambda: load_q(j + 1))
+            p16, m_ij, l_i, alpha = softmax(qk, m_i, l_i, i, masked)
+            acc = rescale(acc, alpha)
             acc, l_i, m_ij, p16 = lax.optimization_barrier(
               (acc, l_i, m_ij, p16)
             )
@@ -725,15 +755,93 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             mosaic.release(v_free.at[slot])
             return acc, m_ij, l_i
 
-          acc, m_i, l_i = _key_loop(
-            step,
-            (acc, m_i, l_i),
-            kv_steps,
-            causal,
-            q_pos + lo + kv_lead,
-            bkv,
-            window,
-          )
+          def first_step(i, carry):
+            """Pipelined: tile 0's scores and softmax, no P V yet."""
+            acc, m_i, l_i, _ = carry
+            k_t = k_smem.at[lax.rem(base, mcs)].transpose((1, 0))
+            qk = mosaic.matmul(q_smem, k_t, (bq, bkv))
+            plgpu.barrier_arrive(k_free.at[lax.rem(base, mcs)])
+            pl.when(kv_steps == 1)(lambda: load_q(j + 1))
+            p16, m_ij, l_i, _ = softmax(
+              qk, m_i, l_i, i, causal or window is not None
+            )
+            return acc, m_ij, l_i, p16
+
+          def overlapped_step(i, carry, masked: bool):
+            """Pipelined step i >= 1 (FlashAttention-3's intra-warpgroup
+            overlap): tile i's Q K^T and tile i-1's P V issued together,
+            tile i's softmax while the P V runs, then the rescale."""
+            acc, m_i, l_i, p_prev = carry
+            slot = lax.rem(base + i, mcs)
+            prev = lax.rem(base + i - 1, mcs)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[prev])
+            k_t = k_smem.at[slot].transpose((1, 0))
+            if static.interpret is not None:
+              qk = mosaic.matmul(q_smem, k_t, (bq, bkv))
+              acc = mosaic.accumulate(
+                acc, p_prev, v_smem.at[prev], static.interpret
+              )
+              p16, m_ij, l_i, alpha = softmax(qk, m_i, l_i, i, masked)
+            else:
+
+              def body(refs):
+                o_ref, s_ref, p_ref, m_ref, l_ref, a_ref = refs
+                plgpu.wgmma(s_ref, q_smem, k_t)
+                plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                outs = softmax(qk, m_i, l_i, i, masked)
+                for ref, val in zip((p_ref, m_ref, l_ref, a_ref), outs):
+                  ref[...] = val
+
+              zeros = plgpu.layout_cast(
+                jnp.full((bq, bkv), 0, jnp.float32), plgpu.Layout.WGMMA
+              )
+              acc, _, p16, m_ij, l_i, alpha = pl.run_state(body)(
+                (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), p_prev, m_i,
+                 l_i, m_i)
+              )  # fmt: skip
+            plgpu.barrier_arrive(k_free.at[slot])
+            pl.when(i == kv_steps - 1)(lambda: load_q(j + 1))
+            mosaic.release(v_free.at[prev])
+            return rescale(acc, alpha), m_ij, l_i, p16
+
+          def last_pv(i, carry):
+            """Pipelined: the last tile's P V."""
+            acc, m_i, l_i, p16 = carry
+            last = lax.rem(base + kv_steps - 1, mcs)
+            plgpu.barrier_wait(v_bar.at[last])
+            acc = mosaic.accumulate(acc, p16, v_smem.at[last], static.interpret)
+            mosaic.release(v_free.at[last])
+            return acc, m_i, l_i, p16
+
+          if bs.fwd_overlap:
+            once = jnp.minimum(kv_steps, 1)
+            p0 = plgpu.layout_cast(
+              jnp.full((bq, bkv), 0, dtype), plgpu.Layout.WGMMA
+            )
+            carry = lax.fori_loop(0, once, first_step, (acc, m_i, l_i, p0))
+            carry = _key_loop(
+              overlapped_step,
+              carry,
+              kv_steps,
+              causal,
+              q_pos + lo + kv_lead,
+              bkv,
+              window,
+              start=1,
+            )
+            acc, m_i, l_i, _ = lax.fori_loop(0, once, last_pv, carry)
+          else:
+            acc, m_i, l_i = _key_loop(
+              step,
+              (acc, m_i, l_i),
+              kv_steps,
+              causal,
+              q_pos + lo + kv_lead,
+              bkv,
+              window,
+            )
           pl.when(wg == 0)(sched)
 
           # Zero-filled keys the rows saw (module docstring): positions

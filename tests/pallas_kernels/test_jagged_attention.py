@@ -129,7 +129,9 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     mg.BlockSizes(num_sms=1),
     mg.BlockSizes(num_sms=1, bwd_pipeline=False, bwd_registers=240),
     mg.BlockSizes(dq_swizzle=False),
-    mg.BlockSizes(fused_bwd=False, block_kv_dq=128, num_sms=1),
+    mg.BlockSizes(
+      fused_bwd=False, block_kv_dq=128, num_sms=1, fwd_overlap=True
+    ),
     mg.BlockSizes(
       fused_bwd=False, block_kv_dq=64, persistent=False, bwd_pipeline=False
     ),
@@ -138,7 +140,7 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     "fused",
     "fused-serial",
     "fused-plain",
-    "dq128",
+    "dq128-overlap",
     "dq64-per-item-serial",
   ],
 )
@@ -151,13 +153,19 @@ def test_causal_self_attention_interpret(block_sizes):
   # queued behind dV and dK, or one at a time: "serial"). The unfused
   # backward's dQ kernel with 128-key steps reuses the forward's work list
   # and side tiles, with 64 it builds its own; one forward CTA per item.
+  # "overlap": the forward's software-pipelined key loop (head dim 128's
+  # default): its first tile alone, the last tile's P V after the loop.
   _check_self(1, block_sizes)
 
 
 @pytest.mark.parametrize(
   "block_sizes,window",
-  [(None, None), (mg.BlockSizes(fold_heads=False), None), (None, 6)],
-  ids=["heads_folded", "heads_apart", "window"],
+  [
+    (None, None),
+    (mg.BlockSizes(fold_heads=False, fwd_overlap=True), None),
+    (None, 6),
+  ],
+  ids=["heads_folded", "heads_apart-overlap", "window"],
 )
 def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
   # Few candidate queries over a longer history (stage 2), with the same
@@ -190,9 +198,15 @@ def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
   [
     (5, False, mg.BlockSizes(num_sms=1)),
     (70, True, mg.BlockSizes(fused_bwd=False, block_kv_dq=64, num_sms=1)),
-    (12, False, mg.BlockSizes(fused_bwd=False, block_kv_dq=128, num_sms=1)),
+    (
+      12,
+      False,
+      mg.BlockSizes(
+        fused_bwd=False, block_kv_dq=128, num_sms=1, fwd_overlap=True
+      ),
+    ),
   ],
-  ids=["w5-fused", "w70-causal-dq64", "w12-dq128"],
+  ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap"],
 )
 def test_sliding_window_interpret(window, causal, block_sizes):
   # A window narrower than a tile (rows of one query tile reach different
@@ -242,7 +256,10 @@ def test_no_races_interpret(causal, fused):
   # every ring slot (K/V in the forward and dQ, Q/dO/lse/delta in dK/dV) is
   # handed back to the producer only after a proxy fence, and the
   # persistent backward kernels (fused here non-causal, unfused causal)
-  # reload K/V or Q/dO/O only after their last reader.
+  # reload K/V or Q/dO/O only after their last reader. The unfused case
+  # takes head dim 128's forward (`fwd_overlap`), whose software-pipelined
+  # key loop releases each K slot after its Q K^T and each V slot after
+  # the next step's.
   q_off = cases.offsets(SELF_LENS)
   t = int(q_off[-1]) + 5
   q, k, v, do = cases.inputs(4, t, t, 2, 1, 64, jnp.bfloat16)
@@ -255,7 +272,9 @@ def test_no_races_interpret(causal, fused):
     v,
     q_off,
     causal=causal,
-    block_sizes=mg.BlockSizes(num_sms=1, fused_bwd=fused),
+    block_sizes=mg.BlockSizes(
+      num_sms=1, fused_bwd=fused, fwd_overlap=not fused
+    ),
     interpret=cases.RACE_PARAMS,
   )
   cases.assert_no_races(attn, q, k, v, do)
