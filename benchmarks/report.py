@@ -39,6 +39,12 @@ from a profiler trace of the same calls (`common.trace_busy_time`: time
 some op runs; the gaps between ops, host-inflated there, left out). In
 the 2026-12-01 pooled run our forward dispatched at 160.8 us per four-set
 call against 109.1 us busy; cuDNN's pooled programs were not host-bound.
+
+Runs of one command differ by a few percent. On 2026-12-01 four runs of
+jagged attention's D=128 log-normal case (the same kernels, one process
+each) read forward+backward at 1.149x, 1.145x, 1.111x and 1.173x cuDNN
+(goal 1.15x), and three D=64 runs at 1.235x, 1.257x and 1.232x (goal
+1.3x); each table shows its last run.
 """
 
 
