@@ -6,9 +6,12 @@ prints a table and writes `benchmarks/results/<name>.json`, a list of records
 """
 
 import datetime
+import glob
+import gzip
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 import jax
@@ -115,8 +118,6 @@ def trace_busy_time(fn, arg_sets, calls: int, device="/device:GPU") -> float:
   of every `device` process (streams overlap), divided by `calls`. The
   gaps between ops are left out; for a host-bound program they are the
   host's."""
-  import tempfile
-
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
       out = None
@@ -240,9 +241,6 @@ def trace_summary(log_dir, steps: int, top: int = 12, device="/device:GPU"):
 
 def _trace_events(log_dir):
   """The events of the newest perfetto trace under `log_dir` (None: none)."""
-  import glob
-  import gzip
-
   path = sorted(
     glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
   )

@@ -218,7 +218,9 @@ def _by_sequence(offsets_e, block, align, num_items, seq_cost):
   )
 
 
-# Up to this many items, `stable_order` ranks by comparing all pairs.
+# Up to this many items, `stable_order` ranks by comparing all pairs (and
+# up to this many sequences, `jagged_tile_schedule`'s `seq_cost` orders
+# them so, `_by_sequence`).
 RANK_BY_COMPARE_MAX = 4096
 
 

@@ -649,10 +649,12 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       steps = jnp.where(hi_lo, fields[7], 0)
       return fields, hi_lo, steps, fields[8], fields[11]
 
+    # The two consumers ping-pong (not with `fwd_overlap`, where each
+    # overlaps its own softmax with its wgmmas).
+    pingpong = hpc == 2 and not bs.fwd_overlap
+
     def sched():
-      # Ping-pong of the two consumers (not with `fwd_overlap`, where each
-      # overlaps its own softmax with its wgmmas).
-      if hpc == 2 and not bs.fwd_overlap:
+      if pingpong:
         mosaic.meet(sched_bar)
 
     @pl.when(wg < hpc)
@@ -700,7 +702,8 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
           def _():
             plgpu.barrier_wait(k_bar.at[lax.rem(base, mcs)])
 
-          pl.when(wg == 1)(sched)
+          if pingpong:
+            pl.when(wg == 1)(sched)
 
           def softmax(qk, m_i, l_i, i, masked: bool):
             """Online softmax of key tile i's scores: (P in the input
@@ -747,10 +750,10 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             acc, l_i, m_ij, p16 = lax.optimization_barrier(
               (acc, l_i, m_ij, p16)
             )
-            if hpc == 2:
+            if pingpong:
               plgpu.barrier_arrive(sched_bar)
             plgpu.barrier_wait(v_bar.at[slot])
-            if hpc == 2:
+            if pingpong:
               plgpu.barrier_wait(sched_bar)
 
             def wait_next_k():
@@ -769,9 +772,11 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
           def first_step(i, carry):
             """Pipelined: tile 0's scores and softmax, no P V yet."""
             acc, m_i, l_i, _ = carry
-            k_t = k_smem.at[lax.rem(base, mcs)].transpose((1, 0))
-            qk = mosaic.matmul(q_smem, k_t, (bq, bkv))
-            plgpu.barrier_arrive(k_free.at[lax.rem(base, mcs)])
+            slot = lax.rem(base, mcs)
+            qk = mosaic.matmul(
+              q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bkv)
+            )
+            plgpu.barrier_arrive(k_free.at[slot])
             pl.when(kv_steps == 1)(lambda: load_q(j + 1))
             p16, m_ij, l_i, _ = softmax(
               qk, m_i, l_i, i, causal or window is not None
@@ -853,7 +858,8 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
               bkv,
               window,
             )
-          pl.when(wg == 0)(sched)
+          if pingpong:
+            pl.when(wg == 0)(sched)
 
           # Zero-filled keys the rows saw (module docstring): positions
           # [-lead, 0) and [kv_len, seen_end).
