@@ -336,3 +336,41 @@ def deal(num_items: int, num_real, workers: int, chunk: int):
   ids = ids.transpose(1, 0, 2).reshape(workers, -1)  # [w, rounds * chunk]
   real = ids < num_real
   return jnp.where(real, ids, 0), real.sum(axis=1).astype(jnp.int32)
+
+
+def pair_swaps(dealt, counts, cost, rounds: int = 1):
+  """Even out a deal (`deal`'s outputs) by cost: each round pairs the i-th
+  busiest worker with the i-th idlest and swaps the one pair of their real
+  items that best halves the gap between them (no swap if none narrows
+  it). Pairs are disjoint, so a round is a few array ops. Items change
+  workers but each row's real steps stay a prefix of it.
+
+  `cost`: `[num_items]` cost of each item (padding items are never read).
+  Returns the new `dealt`.
+  """
+  w, j = dealt.shape
+  p = w // 2
+  if p == 0:
+    return dealt
+  real = jnp.arange(j, dtype=jnp.int32)[None, :] < counts[:, None]
+  c = jnp.where(real, cost[dealt], 0)
+  for _ in range(rounds):
+    load = c.sum(axis=1)
+    order = jnp.argsort(-load, stable=True)
+    hi, lo = order[:p], order[::-1][:p]
+    gap = load[hi] - load[lo]
+    d = c[hi][:, :, None] - c[lo][:, None, :]  # [p, j, j]
+    ok = real[hi][:, :, None] & real[lo][:, None, :] & (d > 0)
+    ok &= d < gap[:, None, None]
+    score = jnp.where(ok, jnp.abs(gap[:, None, None] - 2 * d), gap.max() + 1)
+    best = jnp.argmin(score.reshape(p, j * j), axis=1)
+    swap = jnp.take_along_axis(score.reshape(p, -1), best[:, None], 1)[:, 0]
+    swap = swap < gap
+    x, y = best // j, best % j
+    new_hi = jnp.where(swap, dealt[lo, y], dealt[hi, x])
+    new_lo = jnp.where(swap, dealt[hi, x], dealt[lo, y])
+    ch = jnp.where(swap, c[lo, y], c[hi, x])
+    cl = jnp.where(swap, c[hi, x], c[lo, y])
+    dealt = dealt.at[hi, x].set(new_hi).at[lo, y].set(new_lo)
+    c = c.at[hi, x].set(ch).at[lo, y].set(cl)
+  return dealt

@@ -152,6 +152,9 @@ class BlockSizes:
   fold_heads: bool = True  # non-causal short query sides: heads into rows
   num_sms: int | None = None  # persistent CTAs = about this many (None:
   # the GPU's SMs, `mosaic.num_sms`)
+  deal_swaps: int = 0  # persistent kernels: rounds of
+  # `schedule.pair_swaps` after the zig-zag deal (evens out the CTAs'
+  # loads by item cost; `default` says where it pays)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -162,6 +165,8 @@ class BlockSizes:
       raise ValueError("block_kv_dq must divide block_kv (dQ reuses its list)")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
+    if self.deal_swaps < 0:
+      raise ValueError(f"deal_swaps={self.deal_swaps} must be >= 0")
     if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
       raise ValueError("bwd_registers must be 232 or 240")
 
@@ -198,10 +203,18 @@ class BlockSizes:
     all-2,048: 1.041 / 2.622 ms with one head, 1.221 / 3.047 with two,
     1.164 / 2.877 with two and 240 registers, against 0.966 / 2.399;
     dQ and dK errors against the f32 reference 0.0029-0.0031 against
-    0.0024-0.0025). Dropped."""
+    0.0024-0.0025). Dropped.
+    Two rounds of pair swaps after the persistent deal (`deal_swaps`;
+    outputs equal bit for bit at D128, whose backward adds nothing in
+    arrival order) ran D128 log-normal fwd+bwd in 1.557 / 1.585 / 1.573 ms
+    a set against 1.596 / 1.597 / 1.588 (one round: 1.575 / 1.591 /
+    1.580), three runs timed in alternation with cuDNN, 2026-12-01;
+    all-2,048 (tiles already dealt evenly) 4.134 against 4.121, within the
+    rounds' spread. At D64 one round ran 0.924 against 0.927 and two
+    0.943, so D64 keeps the plain deal."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
-    return BlockSizes(fused_bwd=False, fwd_overlap=True)
+    return BlockSizes(fused_bwd=False, fwd_overlap=True, deal_swaps=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,7 +578,9 @@ def _kv_producer(
   mosaic.observe_releases(total, mcs, k_free, v_free)
 
 
-def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
+def _deal_items(
+  items, groups: int, persistent: bool, bs: BlockSizes, steps_per_item=1
+):
   """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
   turns per CTA) for a kernel over `items` (columns 1-2: valid rows; items
   without valid rows come last). Persistent: about `num_sms` CTAs over all
@@ -581,6 +596,11 @@ def _deal_items(items, groups: int, persistent: bool, bs: BlockSizes):
   )
   num_real = jnp.sum(real).astype(jnp.int32)
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
+  if bs.deal_swaps:
+    # Cost of an item: its steps (column 7; times the heads it walks in the
+    # dK/dV kernel) plus one for its loads and stores.
+    cost = items[:, 7] * steps_per_item + 1
+    dealt = schedule.pair_swaps(dealt, counts, cost, bs.deal_swaps)
   return workers, dealt, counts
 
 
@@ -1336,7 +1356,7 @@ def backward_dkv(
   causal = static.causal
   c = static.scale * LOG2E
 
-  workers, dealt, counts = _deal_items(items, kh, True, bs)
+  workers, dealt, counts = _deal_items(items, kh, True, bs, group)
 
   def kernel(
     items_ref,

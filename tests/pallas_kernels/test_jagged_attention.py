@@ -8,6 +8,8 @@ sides, GQA with even and odd groups). `-m gpu` reruns them compiled at real
 shapes on the H200.
 """
 
+import dataclasses
+
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -249,6 +251,46 @@ def _surplus_identity(s_x, z):
   e = np.exp2(s_all - m)
   l_true = e.sum(dtype=np.float32) - np.float32(z) * np.exp2(-m)
   return e[: len(s_x)] / l_true
+
+
+@pytest.mark.parametrize(
+  "bs",
+  [
+    mg.BlockSizes(num_sms=3, deal_swaps=2),
+    mg.BlockSizes(
+      num_sms=3,
+      deal_swaps=2,
+      fused_bwd=False,
+      block_kv_dq=128,
+      fwd_overlap=True,
+    ),  # fmt: skip
+  ],
+  ids=["fused", "dq128-overlap"],
+)
+def test_swapped_deal_interpret(bs):
+  # `deal_swaps`: items move between the persistent CTAs of the forward,
+  # the dQ kernel (unfused, as head dim 128's default) and the dK/dV kernel
+  # (three CTAs for these lengths; the deal is checked to change), so a
+  # CTA walks them in no particular order.
+  lens = [94, 102, 151, 190, 6]
+  off = cases.offsets(lens)
+  t = -(-(int(off[-1]) + 5) // 8) * 8
+  items, sched = mg.query_items(
+    off, off, t, block_q=64, block_kv=128, causal=False
+  )
+  k_items = mg.key_items(
+    off, off, t, sched.tile_start_b, block_q=64, block_kv=128, causal=False
+  )
+  for table, steps in ((items, 1), (k_items, 2)):
+    plain = dataclasses.replace(bs, deal_swaps=0)
+    assert not np.array_equal(
+      mg._deal_items(table, 1, True, bs, steps)[1],
+      mg._deal_items(table, 1, True, plain, steps)[1],
+    )
+  _check_case(
+    lens, None, n=2, kh=1, h=64, dtype=jnp.bfloat16, causal=False, tail=5,
+    seed=8, block_sizes=bs,
+  )  # fmt: skip
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, 6)])
@@ -510,6 +552,8 @@ def test_dispatch():
       q192, q192[:, :1], q192[:, :1], np.array([0, 4], np.int32)
     )
   assert not mosaic_supports(q192, q192[:, :1])
+  with pytest.raises(ValueError, match="deal_swaps=-1 must be >= 0"):
+    mg.BlockSizes(deal_swaps=-1)
 
 
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
