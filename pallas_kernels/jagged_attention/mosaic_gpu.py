@@ -259,6 +259,20 @@ def window_tile_range(pos, lo, hi, other_len, other_lead, block, window,
   return first, jnp.where(ok, end - first, 0)
 
 
+def _tile_schedule(offsets, rows, block, per_tile, tile_steps, seq_steps):
+  """`schedule.jagged_tile_schedule` of a kernel's tiles, ordered by cost:
+  each tile's steps (`tile_steps(seq, tile)`) plus one for its loads and
+  stores when `per_tile` (a mask makes tiles of a sequence differ), else
+  its sequence's (`seq_steps[seq]`, the same for all its tiles)."""
+  if per_tile:
+    cost = {"cost": lambda a, b: tile_steps(a, b) + 1}
+  else:
+    cost = {"seq_cost": lambda a: seq_steps[a] + 1}
+  return schedule.jagged_tile_schedule(
+    offsets, rows, block, align=mosaic.ALIGN, **cost
+  )
+
+
 def query_items(
   q_offsets, kv_offsets, t, *, block_q, block_kv, causal, window=None
 ):
@@ -299,13 +313,11 @@ def query_items(
       steps = total
     return q_pos, lo, hi, steps, first
 
-  if causal or window is not None:
-    cost = {"cost": lambda s, i: geometry(s, i)[3] + 1}
-  else:  # every query tile visits all its sequence's key tiles
-    cost = {"seq_cost": lambda s: kv_total_b[s] + 1}
-  sched = schedule.jagged_tile_schedule(
-    q_offsets, t, block_q, align=mosaic.ALIGN, **cost
-  )
+  # Without a mask every query tile visits all its sequence's key tiles.
+  sched = _tile_schedule(
+    q_offsets, t, block_q, causal or window is not None,
+    lambda s, i: geometry(s, i)[3], kv_total_b,
+  )  # fmt: skip
   seq, tile = sched.seq_i, sched.tile_i
   q_pos, lo, hi, steps, first = geometry(seq, tile)
   valid = sched.valid_i
@@ -382,13 +394,11 @@ def key_items(
       n_masked = jnp.zeros_like(tile)
     return kv_pos, lo, hi, first, n_q - first, n_masked
 
-  if causal or window is not None:
-    cost = {"cost": lambda a, b: geometry(a, b)[4] + 1}
-  else:  # every key tile visits all its sequence's query tiles
-    cost = {"seq_cost": lambda a: n_q_b[a] + 1}
-  sched = schedule.jagged_tile_schedule(
-    kv_offsets, s, block_kv, align=mosaic.ALIGN, **cost
-  )
+  # Without a mask every key tile visits all its sequence's query tiles.
+  sched = _tile_schedule(
+    kv_offsets, s, block_kv, causal or window is not None,
+    lambda a, b: geometry(a, b)[4], n_q_b,
+  )  # fmt: skip
   seq, tile = sched.seq_i, sched.tile_i
   kv_pos, lo, hi, first, steps, n_masked = geometry(seq, tile)
   valid = sched.valid_i
@@ -638,6 +648,10 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   causal, window = static.causal, static.window
   c = static.scale * LOG2E
   workers, dealt, counts = _deal_items(items, n // hpc, bs.persistent, bs)
+  # The two consumers ping-pong (not with `fwd_overlap`, where each
+  # overlaps its own softmax with its wgmmas); only then is there a
+  # barrier for their turns.
+  pingpong = hpc == 2 and not bs.fwd_overlap
 
   def kernel(
     items_ref,
@@ -653,7 +667,8 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     *scratch,
   ):
     (q_smem2, o_smem2, lse_smem2, k_smem, v_smem) = scratch[:5]
-    (q_bar, k_bar, v_bar, k_free, v_free, sched_bar) = scratch[5:]
+    (q_bar, k_bar, v_bar, k_free, v_free, *sched_bar) = scratch[5:]
+    sched_bar = sched_bar[0] if pingpong else None
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -668,10 +683,6 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       hi_lo = fields[2] > fields[1]
       steps = jnp.where(hi_lo, fields[7], 0)
       return fields, hi_lo, steps, fields[8], fields[11]
-
-    # The two consumers ping-pong (not with `fwd_overlap`, where each
-    # overlaps its own softmax with its wgmmas).
-    pingpong = hpc == 2 and not bs.fwd_overlap
 
     def sched():
       if pingpong:
@@ -956,7 +967,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     plgpu.Barrier(num_barriers=mcs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
-    plgpu.Barrier(num_arrivals=hpc),
+    *([plgpu.Barrier(num_arrivals=hpc)] if pingpong else []),
   ]
   out_type = [
     jax.ShapeDtypeStruct((t, n, h), dtype),
