@@ -45,7 +45,7 @@ jagged attention's D=128 log-normal case (the same kernels, one process
 each) read forward+backward at 1.149x, 1.145x, 1.111x and 1.173x cuDNN
 (goal 1.15x), and three D=64 runs at 1.235x, 1.257x and 1.232x (goal
 1.3x). The D=128 deal then took pair swaps (`BlockSizes.deal_swaps`,
-0.7-2.4% faster in three runs timed in alternation); its one benchmark
+0.8-2.4% faster in three runs timed in alternation); its one benchmark
 run since read 1.136x. Each table shows its last run.
 """
 

@@ -363,14 +363,16 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
     ok = real[hi][:, :, None] & real[lo][:, None, :] & (d > 0)
     ok &= d < gap[:, None, None]
     score = jnp.where(ok, jnp.abs(gap[:, None, None] - 2 * d), gap.max() + 1)
-    best = jnp.argmin(score.reshape(p, j * j), axis=1)
-    swap = jnp.take_along_axis(score.reshape(p, -1), best[:, None], 1)[:, 0]
-    swap = swap < gap
+    score = score.reshape(p, j * j)
+    best = jnp.argmin(score, axis=1)
+    swap = score.min(axis=1) < gap  # some pair narrows the gap
     x, y = best // j, best % j
-    new_hi = jnp.where(swap, dealt[lo, y], dealt[hi, x])
-    new_lo = jnp.where(swap, dealt[hi, x], dealt[lo, y])
-    ch = jnp.where(swap, c[lo, y], c[hi, x])
-    cl = jnp.where(swap, c[hi, x], c[lo, y])
-    dealt = dealt.at[hi, x].set(new_hi).at[lo, y].set(new_lo)
-    c = c.at[hi, x].set(ch).at[lo, y].set(cl)
+    dealt, c = (_exchange(m, (hi, x), (lo, y), swap) for m in (dealt, c))
   return dealt
+
+
+def _exchange(m, i, j, where):
+  """`m` with its entries at index tuples `i` and `j` exchanged where
+  `where` (elementwise over the indexed entries)."""
+  a, b = m[i], m[j]
+  return m.at[i].set(jnp.where(where, b, a)).at[j].set(jnp.where(where, a, b))

@@ -211,9 +211,10 @@ class BlockSizes:
     1.580), three runs timed in alternation with cuDNN, 2026-12-01;
     all-2,048 (tiles already dealt evenly) 4.134 against 4.121, within the
     rounds' spread. At D64 one round ran 0.924 against 0.927 and two
-    0.943, so D64 keeps the plain deal. The swaps are about 34 small XLA
-    ops (sorts, gathers, scatters: about 50 us of device time in a trace
-    of one single-set call, 2026-12-01). They depend on the offsets alone,
+    0.943, so D64 keeps the plain deal. The swaps add 34 small XLA ops
+    (sorts, gathers, scatters) and 57 us of device time: 86.4 against
+    29.4 us of small ops in traces of one single-set call with and
+    without them (two runs, 2026-12-01). They depend on the offsets alone,
     so XLA computes them once per jitted step for all the layers that
     share those offsets (in the benchmark, once for its four input sets);
     a program with a single attention call pays them whole."""
