@@ -45,6 +45,20 @@ def time_sets(fn, sets, iters: int | None = None) -> float:
   return sec / len(sets)
 
 
+def time_sets_interleaved(runs, *, rounds: int = 7) -> dict:
+  """`time_sets` of every `runs[key] = (fn, sets)`, timed in alternation
+  (`time_interleaved`: batches of `TIMING["iters"]` and twice that, one per
+  round): seconds per input set, by key."""
+  if TIMING["repeats"] == 1:  # CPU smoke runs
+    rounds = 1
+  t = time_interleaved(
+    {k: (all_sets(fn), [(sets,)]) for k, (fn, sets) in runs.items()},
+    rounds=rounds,
+    calls=TIMING["iters"],
+  )
+  return {k: t[k] / len(runs[k][1]) for k in runs}
+
+
 def all_sets(fn):
   """`fn(*set)` for every input set of a list, in one jitted call (the
   program `time_sets` times: one dispatch for all of them)."""
@@ -154,8 +168,14 @@ def time_interleaved(runs, *, rounds: int = 7, calls: int = 10):
   and runs slower within seconds (16384x4096x4096 forward, 2026-11-30:
   0.575 ms in the first batch, 0.639 ms in the seventh, while cuBLAS bf16
   beside it stayed at 0.69-0.73 ms), so which came first moved their
-  ratio from 1.22x to 1.35x between batches of calls. Alternating gives
-  every run the same mix of states.
+  ratio from 1.22x to 1.35x between batches of calls. Dense attention
+  reaches the board's 700 W power cap (jagged attention's D=128 log-normal
+  fwd+bwd, 2026-12-02, `nvidia-smi` polled every 50 ms: 680-690 W, SM
+  clock 1,740 MHz median against its 1,980 MHz maximum, throttle reason
+  "software power cap"; cuDNN's padded program 1,785 MHz), so it too runs
+  slower in a timed batch than in a short trace (6,191 against 5,403 us a
+  call; cuDNN 7,270 against 6,543). Alternating gives every run the same
+  mix of states.
 
   Returns `{key: median seconds}`, and prints each run's per-round times.
   """

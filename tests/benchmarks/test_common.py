@@ -127,6 +127,27 @@ def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   assert got == {"a": 5.0, "b": 2.0}
 
 
+def test_time_sets_interleaved_times_all_sets_per_call(monkeypatch):
+  """Each run is timed as one program over all its sets (`all_sets`, the
+  program `time_sets` times), and its figure is per set."""
+  seen = {}
+
+  def time_interleaved(runs, *, rounds, calls):
+    assert (rounds, calls) == (7, common.TIMING["iters"])
+    for key, (fn, arg_sets) in runs.items():
+      (sets,) = arg_sets[0]
+      seen[key] = fn(sets)
+    return {"a": 6.0, "b": 1.0}
+
+  monkeypatch.setattr(common, "time_interleaved", time_interleaved)
+  got = common.time_sets_interleaved(
+    {"a": (lambda x: x + 1, [(1,), (2,), (3,)]), "b": (lambda x: -x, [(5,)])}
+  )
+  assert [int(x) for x in seen["a"]] == [2, 3, 4]
+  assert [int(x) for x in seen["b"]] == [-5]
+  assert got == {"a": 2.0, "b": 1.0}
+
+
 def test_timed_sets_share_one_work_list():
   """The attention benchmarks time R input sets with the same offsets in
   one program (`all_sets`): XLA builds their work list once, as it builds
