@@ -21,6 +21,8 @@ In one process:
   `sliding_window_reference` as `sliding_window_xla` (cuDNN rejects a
   non-causal (64, 64) window, BASELINES.md). The window kernel's forward
   and gradients are checked against the f32 banded reference first.
+All four are timed in alternation, 7 rounds, medians
+(`common.time_sets_interleaved`).
 Useful FLOPs (`4 n h` per real query-key pair; x3.5 forward+backward) are
 counted per op, so "useful TFLOP/s" is MFU-like (the seed's +44% over the
 sliding window is an MFU ratio). The op is memory-bound, so the forward is
@@ -210,21 +212,16 @@ def run_case(mix, rng, records, bw):
     MAX_REL_ERR,
     impl="sliding_window",
   )
-  times = {}
+  runs = {}
   for name, fn, args in (
     *([("mosaic", ours, sets)] if errs is not None else []),
     ("cudnn_blocks", cudnn_blocks, blocked),
     *([("sliding_window", sliding, sets)] if sliding_errs is not None else []),
     ("sliding_window_xla", sliding_xla, sets),
   ):
-    for kind, f in (
-      ("fwd", lambda q, k, v, do, fn=fn: fn(q, k, v)),
-      ("fwdbwd", common.fwd_bwd(fn)),
-    ):
-      try:
-        times[name, kind] = common.time_sets(f, args)
-      except Exception as e:
-        print(f"{mix} {name} {kind}: {type(e).__name__} {str(e)[:300]}")
+    runs[name, "fwd"] = (lambda q, k, v, do, fn=fn: fn(q, k, v), args)
+    runs[name, "fwdbwd"] = (common.fwd_bwd(fn), args)
+  times = common.time_sets_interleaved(runs)
 
   for (impl, kind), sec in times.items():
     mult = 3.5 if kind == "fwdbwd" else 1.0

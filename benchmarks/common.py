@@ -48,15 +48,21 @@ def time_sets(fn, sets, iters: int | None = None) -> float:
 def time_sets_interleaved(runs, *, rounds: int = 7) -> dict:
   """`time_sets` of every `runs[key] = (fn, sets)`, timed in alternation
   (`time_interleaved`: batches of `TIMING["iters"]` and twice that, one per
-  round): seconds per input set, by key."""
+  round): seconds per input set, by key. A run that fails its first call
+  (e.g. cuDNN rejects a shape) is printed and left out."""
   if TIMING["repeats"] == 1:  # CPU smoke runs
     rounds = 1
-  t = time_interleaved(
-    {k: (all_sets(fn), [(sets,)]) for k, (fn, sets) in runs.items()},
-    rounds=rounds,
-    calls=TIMING["iters"],
-  )
-  return {k: t[k] / len(runs[k][1]) for k in runs}
+  programs = {}
+  for key, (fn, sets) in runs.items():
+    program = all_sets(fn)
+    try:
+      jax.block_until_ready(program(sets))
+    except Exception as e:
+      print(f"{key}: {type(e).__name__} {str(e)[:300]}", flush=True)
+      continue
+    programs[key] = (program, [(sets,)])
+  t = time_interleaved(programs, rounds=rounds, calls=TIMING["iters"])
+  return {k: t[k] / len(runs[k][1]) for k in programs}
 
 
 def all_sets(fn):

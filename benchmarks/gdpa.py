@@ -19,7 +19,9 @@ baselines
 are cuDNN softmax attention (`jax.nn.dot_product_attention(
 implementation="cudnn")`) on the padded `[B, L]` layout with per-sample
 lengths, and an XLA GELU-attention (two einsums and a GELU) on the same
-padded layout; padded copies are made outside the timed calls. Also timed
+padded layout; padded copies are made outside the timed calls. Each
+phase's programs are timed in alternation, 7 rounds, medians
+(`common.time_sets_interleaved`). Also timed
 (forward only, phase acts): our kernels with exact GELU, SiLU, the
 polynomial tanh with its fallback and the unchecked polynomial
 (`tanh="poly_unchecked"`, the seed's SFU saving; its numbers are only a
@@ -304,18 +306,16 @@ def run_main(ctx, records, ceilings):
 
 
 def _time_runs(case, runs):
-  times = {}
-  for impl, kind, fn, data in runs:
-    t0 = time.perf_counter()
-    try:
-      times[impl, kind] = common.time_sets(fn, data)
-    except Exception as e:  # e.g. cuDNN rejects a shape
-      print(f"{case} {impl} {kind}: {type(e).__name__} {str(e)[:300]}")
-    print(
-      f"  ({case} {impl} {kind}: {time.perf_counter() - t0:.1f} s wall, "
-      "compile included)",
-      flush=True,
-    )
+  """Seconds per set of each `(impl, kind, fn, data)`, all timed in
+  alternation (`common.time_sets_interleaved`)."""
+  t0 = time.perf_counter()
+  times = common.time_sets_interleaved(
+    {(impl, kind): (fn, data) for impl, kind, fn, data in runs}
+  )
+  print(
+    f"  ({case}: {time.perf_counter() - t0:.1f} s wall, compiles included)",
+    flush=True,
+  )
   return times
 
 

@@ -39,21 +39,27 @@ from a profiler trace of the same calls (`common.trace_busy_time`: time
 some op runs; the gaps between ops, host-inflated there, left out). In
 the 2026-12-01 pooled run our forward dispatched at 160.8 us per four-set
 call against 109.1 us busy; cuDNN's pooled programs were not host-bound.
+Timed in alternation, each round decides this for itself, so a
+host-bound program's median may pool both figures (jagged attention's
+cands mix, 2026-12-02).
 
 Runs of one command differ by a few percent. Dense attention runs at the
 H200's 700 W power cap in a timed batch, its SM clock lowered (D=128
 log-normal fwd+bwd, 2026-12-02: 1,740 MHz median against 1,980 MHz, ours;
 1,785 MHz, cuDNN's), and the chip's state drifts over a run. So since
-2026-12-02 jagged attention times ours and cuDNN in alternation (7
-rounds, medians; `common.time_sets_interleaved`), as the FP8 and RMSNorm
-benchmarks do. Three such runs that day read D=128 log-normal
-forward+backward at 1.167x, 1.149x and 1.167x cuDNN (goal 1.15x), D=64
-at 1.255x, 1.253x and 1.239x (goal 1.3x), and the forwards at 1.42x,
-1.48x, 1.42x (D=128, goal 1.3x) and 1.57x, 1.61x, 1.61x (D=64, goal
-1.5x). Before, ours was timed ahead of cuDNN, each in one stretch: four
-runs on 2026-12-01 read D=128 forward+backward at 1.111-1.173x and three
-D=64 runs at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Each table
-shows its last run.
+2026-12-02 jagged attention, GDPA and block attention time ours and their
+baselines in alternation (7 rounds, medians;
+`common.time_sets_interleaved`), as the FP8 and RMSNorm benchmarks do.
+Against the day before, when ours ran first, this lowered GDPA's forward
+roofline fractions (80.6 / 76.9 / 59.6% to 78.3 / 74.1 / 55.0%) and block
+attention's log-normal copy fraction (73.2% to 70.4%). Three jagged runs
+that day read D=128 log-normal forward+backward at 1.167x, 1.149x and
+1.167x cuDNN (goal 1.15x), D=64 at 1.255x, 1.253x and 1.239x (goal 1.3x),
+and the forwards at 1.42x, 1.48x, 1.42x (D=128, goal 1.3x) and 1.57x,
+1.61x, 1.61x (D=64, goal 1.5x). Before, ours was timed ahead of cuDNN, each
+in one stretch: four runs on 2026-12-01 read D=128 forward+backward at
+1.111-1.173x and three D=64 runs at 1.232-1.257x, the D=128 forward at
+1.61-1.64x. Each table shows its last run.
 """
 
 

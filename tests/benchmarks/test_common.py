@@ -134,14 +134,22 @@ def test_time_sets_interleaved_times_all_sets_per_call(monkeypatch):
 
   def time_interleaved(runs, *, rounds, calls):
     assert (rounds, calls) == (7, common.TIMING["iters"])
+    assert set(runs) == {"a", "b"}
     for key, (fn, arg_sets) in runs.items():
       (sets,) = arg_sets[0]
       seen[key] = fn(sets)
     return {"a": 6.0, "b": 1.0}
 
+  def fails(x):
+    raise ValueError("no such shape")
+
   monkeypatch.setattr(common, "time_interleaved", time_interleaved)
   got = common.time_sets_interleaved(
-    {"a": (lambda x: x + 1, [(1,), (2,), (3,)]), "b": (lambda x: -x, [(5,)])}
+    {
+      "a": (lambda x: x + 1, [(1,), (2,), (3,)]),
+      "b": (lambda x: -x, [(5,)]),
+      "c": (fails, [(1,)]),  # left out
+    }
   )
   assert [int(x) for x in seen["a"]] == [2, 3, 4]
   assert [int(x) for x in seen["b"]] == [-5]
