@@ -365,7 +365,7 @@ def main():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, LMAX, R, CUDNN = 2, 150, 1, "xla"
-    common.TIMING.update(iters=1, repeats=1)
+    common.TIMING.update(iters=1, repeats=1, rounds=1)
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE = True
   print(common.device_name(), jax.__version__, flush=True)

@@ -26,8 +26,9 @@ def device_name() -> str:
   return getattr(d, "device_kind", d.platform)
 
 
-# Queued calls per batch and batches of `time_sets`; CPU smoke runs set 1.
-TIMING = {"iters": 20, "repeats": 5}
+# Queued calls per batch, batches of `time_sets` and rounds of
+# `time_sets_interleaved`; CPU smoke runs set 1.
+TIMING = {"iters": 20, "repeats": 5, "rounds": 7}
 
 
 def time_sets(fn, sets, iters: int | None = None) -> float:
@@ -45,24 +46,19 @@ def time_sets(fn, sets, iters: int | None = None) -> float:
   return sec / len(sets)
 
 
-def time_sets_interleaved(runs, *, rounds: int = 7) -> dict:
+def time_sets_interleaved(runs) -> dict:
   """`time_sets` of every `runs[key] = (fn, sets)`, timed in alternation
-  (`time_interleaved`: batches of `TIMING["iters"]` and twice that, one per
-  round): seconds per input set, by key. A run that fails its first call
-  (e.g. cuDNN rejects a shape) is printed and left out."""
-  if TIMING["repeats"] == 1:  # CPU smoke runs
-    rounds = 1
-  programs = {}
-  for key, (fn, sets) in runs.items():
-    program = all_sets(fn)
-    try:
-      jax.block_until_ready(program(sets))
-    except Exception as e:
-      print(f"{key}: {type(e).__name__} {str(e)[:300]}", flush=True)
-      continue
-    programs[key] = (program, [(sets,)])
-  t = time_interleaved(programs, rounds=rounds, calls=TIMING["iters"])
-  return {k: t[k] / len(runs[k][1]) for k in programs}
+  (`time_interleaved`: `TIMING["rounds"]` rounds of batches of
+  `TIMING["iters"]` and twice that): seconds per input set, by key. A run
+  that fails its first call (e.g. cuDNN rejects a shape) is printed and
+  left out."""
+  t = time_interleaved(
+    {k: (all_sets(fn), [(sets,)]) for k, (fn, sets) in runs.items()},
+    rounds=TIMING["rounds"],
+    calls=TIMING["iters"],
+    skip_failures=True,
+  )
+  return {k: t[k] / len(runs[k][1]) for k in t}
 
 
 def all_sets(fn):
@@ -163,7 +159,9 @@ def union_length(spans) -> float:
   return total
 
 
-def time_interleaved(runs, *, rounds: int = 7, calls: int = 10):
+def time_interleaved(
+  runs, *, rounds: int = 7, calls: int = 10, skip_failures: bool = False
+):
   """Median seconds per call of each `runs[key] = (fn, arg_sets)`, timed
   in alternation: every round times each run once (`device_time` with one
   repeat: batches of `calls` and `2 * calls` queued calls), the order
@@ -184,11 +182,22 @@ def time_interleaved(runs, *, rounds: int = 7, calls: int = 10):
   mix of states.
 
   Returns `{key: median seconds}`, and prints each run's per-round times.
+  With `skip_failures`, a run whose first calls raise is printed and left
+  out of the rounds and the result.
   """
-  for fn, arg_sets in runs.values():
-    for a in arg_sets:
-      jax.block_until_ready(fn(*a))
+  runs = dict(runs)
+  for key, (fn, arg_sets) in list(runs.items()):
+    try:
+      for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    except Exception as e:
+      if not skip_failures:
+        raise
+      print(f"{key}: {type(e).__name__} {str(e)[:300]}", flush=True)
+      del runs[key]
   keys = list(runs)
+  if not keys:
+    return {}
   times = {k: [] for k in keys}
   for r in range(rounds):
     s = r % len(keys)

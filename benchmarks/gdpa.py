@@ -520,7 +520,7 @@ def main():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, LQ, LMAX, R, CUDNN = 2, 70, 150, 1, "xla"
-    common.TIMING.update(iters=1, repeats=1)
+    common.TIMING.update(iters=1, repeats=1, rounds=1)
     KV_LENS, POOLED_Q = (16, 64, 130), 3
     INTERPRET = plgpu.InterpretGPUParams()
     SMOKE_SIZES = True

@@ -407,7 +407,7 @@ def main():
 
     global B, LMAX, R, CUDNN, INTERPRET
     B, LMAX, R, CUDNN = 2, 128, 1, "xla"
-    common.TIMING.update(iters=1, repeats=1)
+    common.TIMING.update(iters=1, repeats=1, rounds=1)
     INTERPRET = plgpu.InterpretGPUParams()
   print(common.device_name(), jax.__version__, flush=True)
   records, extra = [], []

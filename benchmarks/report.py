@@ -50,16 +50,18 @@ log-normal fwd+bwd, 2026-12-02: 1,740 MHz median against 1,980 MHz, ours;
 2026-12-02 jagged attention, GDPA and block attention time ours and their
 baselines in alternation (7 rounds, medians;
 `common.time_sets_interleaved`), as the FP8 and RMSNorm benchmarks do.
-Against the day before, when ours ran first, this lowered GDPA's forward
-roofline fractions (80.6 / 76.9 / 59.6% to 78.3 / 74.1 / 55.0%) and block
-attention's log-normal copy fraction (73.2% to 70.4%). Three jagged runs
-that day read D=128 log-normal forward+backward at 1.167x, 1.149x and
+Against the day before, when ours ran first, GDPA's forward roofline
+fractions read lower (78.3 / 74.1 / 55.0% against 80.6 / 76.9 / 59.6%), as
+did block attention's log-normal copy fraction (70.4% against 73.2%); one
+run each, so order and run-to-run spread are not told apart. Three jagged
+runs that day read D=128 log-normal forward+backward at 1.167x, 1.149x and
 1.167x cuDNN (goal 1.15x), D=64 at 1.255x, 1.253x and 1.239x (goal 1.3x),
 and the forwards at 1.42x, 1.48x, 1.42x (D=128, goal 1.3x) and 1.57x,
 1.61x, 1.61x (D=64, goal 1.5x). Before, ours was timed ahead of cuDNN, each
-in one stretch: four runs on 2026-12-01 read D=128 forward+backward at
-1.111-1.173x and three D=64 runs at 1.232-1.257x, the D=128 forward at
-1.61-1.64x. Each table shows its last run.
+in one stretch: five runs on 2026-12-01 (four before the D=128 pair swaps,
+one after) read D=128 forward+backward at 1.111-1.173x and three D=64 runs
+at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Each table shows its last
+run.
 """
 
 

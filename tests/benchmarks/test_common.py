@@ -103,7 +103,8 @@ def test_fwd_bwd_keeps_the_forward_kernel():
 
 def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   """Rounds time every run once, the order rotated; each run's figure is
-  the median of its own rounds."""
+  the median of its own rounds. A run whose first call fails raises, or
+  with `skip_failures` is left out."""
   order, fake = [], iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])
 
   def device_time(fn, arg_sets, *, calls, repeats):
@@ -119,42 +120,48 @@ def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   def b(x):
     return x
 
-  got = common.time_interleaved(
-    {"a": (a, [(1,)]), "b": (b, [(2,)])}, rounds=3, calls=10
-  )
+  def fails(x):
+    raise ValueError("no such shape")
+
+  runs = {"a": (a, [(1,)]), "c": (fails, [(1,)]), "b": (b, [(2,)])}
+  with pytest.raises(ValueError, match="no such shape"):
+    common.time_interleaved(runs, rounds=3, calls=10)
+  got = common.time_interleaved(runs, rounds=3, calls=10, skip_failures=True)
   assert order == ["a", "b", "b", "a", "a", "b"]
   # a: 5, 9, 3 -> 5; b: 1, 2, 4 -> 2
   assert got == {"a": 5.0, "b": 2.0}
+  assert (
+    common.time_interleaved({"c": runs["c"]}, rounds=3, skip_failures=True)
+    == {}
+  )
 
 
 def test_time_sets_interleaved_times_all_sets_per_call(monkeypatch):
   """Each run is timed as one program over all its sets (`all_sets`, the
-  program `time_sets` times), and its figure is per set."""
+  program `time_sets` times), with TIMING's rounds and batch size and
+  failures skipped; its figure is per set."""
   seen = {}
 
-  def time_interleaved(runs, *, rounds, calls):
-    assert (rounds, calls) == (7, common.TIMING["iters"])
+  def time_interleaved(runs, *, rounds, calls, skip_failures):
+    assert (rounds, calls, skip_failures) == (7, 20, True)
     assert set(runs) == {"a", "b"}
     for key, (fn, arg_sets) in runs.items():
       (sets,) = arg_sets[0]
       seen[key] = fn(sets)
-    return {"a": 6.0, "b": 1.0}
-
-  def fails(x):
-    raise ValueError("no such shape")
+    return {"a": 6.0}  # "b" failed
 
   monkeypatch.setattr(common, "time_interleaved", time_interleaved)
-  monkeypatch.setitem(common.TIMING, "repeats", 5)  # not a CPU smoke run
+  monkeypatch.setitem(common.TIMING, "rounds", 7)
+  monkeypatch.setitem(common.TIMING, "iters", 20)
   got = common.time_sets_interleaved(
     {
       "a": (lambda x: x + 1, [(1,), (2,), (3,)]),
       "b": (lambda x: -x, [(5,)]),
-      "c": (fails, [(1,)]),  # left out
     }
   )
   assert [int(x) for x in seen["a"]] == [2, 3, 4]
   assert [int(x) for x in seen["b"]] == [-5]
-  assert got == {"a": 2.0, "b": 1.0}
+  assert got == {"a": 2.0}
 
 
 def test_timed_sets_share_one_work_list():
