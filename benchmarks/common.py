@@ -67,7 +67,9 @@ def all_sets(fn):
   return jax.jit(lambda sets: [fn(*s) for s in sets])
 
 
-def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
+def device_time(
+  fn, arg_sets, *, calls: int = 30, repeats: int = 7, method: str = "auto"
+) -> float:
   """Median seconds per call on the device, launch gaps left out.
 
   Calls are queued back to back (rotating over `arg_sets`) and synchronized
@@ -85,13 +87,73 @@ def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
   earlier way (one batch's mean) is said in BENCHMARKS.md's header.
 
   A program whose host dispatch is slower than its device work would be
-  timed at the host's rate. So when the host's time per call reaches 90%
-  of the result on a GPU, the device is timed from a profiler trace of
-  `calls` calls instead (`trace_busy_time`: the time some op runs, the
-  gaps between ops left out), and both are printed.
+  timed at the host's rate. `method` says how to time: "clock" (the
+  batches above), "trace" (the device's busy time in a profiler trace of
+  `calls` calls, `trace_busy_time`: the time some op runs, the gaps
+  between ops left out), or "auto": the clock, unless the host's dispatch
+  per call reaches 90% of the device's busy time on a GPU, then the trace
+  (both printed; `_busy_if_host_bound`). `timing_method` makes that
+  choice once for a group of programs.
   """
+  if method not in ("auto", "clock", "trace"):
+    raise ValueError(f"method={method!r}: use 'auto', 'clock' or 'trace'")
   for a in arg_sets:
     jax.block_until_ready(fn(*a))
+  if method == "trace":
+    return trace_busy_time(fn, arg_sets, calls)
+  sec, host = _clock_time(fn, arg_sets, calls, repeats)
+  if method == "clock":
+    return sec
+  busy = _busy_if_host_bound(fn, arg_sets, calls, sec, host)
+  return sec if busy is None else busy
+
+
+def timing_method(runs, calls: int) -> str:
+  """One method for timing every `runs[key] = (fn, arg_sets)`: "trace" if
+  `device_time(method="auto")` would time any of them from a trace (a
+  host-bound program), else "clock". Decided from one repeat of the
+  clock's batches per run (and a trace where the host looks near its
+  limit), so that rounds timed with it compare like with like and their
+  medians never pool the two kinds of figure (`time_interleaved`)."""
+  for fn, arg_sets in runs.values():
+    for a in arg_sets:
+      jax.block_until_ready(fn(*a))
+    sec, host = _clock_time(fn, arg_sets, calls, repeats=1)
+    if _busy_if_host_bound(fn, arg_sets, calls, sec, host) is not None:
+      return "trace"
+  return "clock"
+
+
+def _busy_if_host_bound(fn, arg_sets, calls, sec, host) -> float | None:
+  """The device's busy seconds per call from a trace, if `fn` is
+  host-bound on a GPU: its dispatch (`host` a call) takes at least 90% of
+  the device's busy time, so the device waits on the host at times and
+  the clock (`sec`) times the host. Else None (keep the clock). A trace
+  is taken only when the dispatch reaches half the clock's figure, and
+  one without device ops keeps the clock. Prints a host-bound finding."""
+  if host < 0.5 * sec or jax.default_backend() != "gpu":
+    return None
+  busy = trace_busy_time(fn, arg_sets, calls)
+  if busy <= 0:
+    print(
+      f"    (host-bound: dispatch {host * 1e6:.1f} us a call; no device "
+      "op in its trace, so timed at the host's rate)"
+    )
+    return None
+  if host < 0.9 * busy:
+    return None
+  print(
+    f"    (host-bound: dispatch {host * 1e6:.1f} us a call, timed "
+    f"{sec * 1e6:.1f}; device busy {busy * 1e6:.1f} us a call in a "
+    "trace: used)",
+    flush=True,
+  )
+  return busy
+
+
+def _clock_time(fn, arg_sets, calls, repeats) -> tuple[float, float]:
+  """(median seconds per call from the batches' difference, median host
+  dispatch seconds per call); see `device_time`."""
 
   def batch(n):
     t0 = time.perf_counter()
@@ -109,23 +171,7 @@ def device_time(fn, arg_sets, *, calls: int = 30, repeats: int = 7) -> float:
     # Tiny CPU smoke runs can come out non-positive: fall back to the mean.
     times.append((t2 - t1) / calls if t2 > t1 else t2 / (2 * calls))
     hosts.append(h2 / (2 * calls))
-  sec, host = float(np.median(times)), float(np.median(hosts))
-  if host >= 0.9 * sec and jax.default_backend() == "gpu":
-    busy = trace_busy_time(fn, arg_sets, calls)
-    if busy <= 0:  # no device op in the trace: keep the clock's figure
-      print(
-        f"    (host-bound: dispatch {host * 1e6:.1f} us a call; no device "
-        "op in its trace, so timed at the host's rate)"
-      )
-      return sec
-    print(
-      f"    (host-bound: dispatch {host * 1e6:.1f} us a call, timed "
-      f"{sec * 1e6:.1f}; device busy {busy * 1e6:.1f} us a call in a "
-      "trace: used)",
-      flush=True,
-    )
-    return busy
-  return sec
+  return float(np.median(times)), float(np.median(hosts))
 
 
 def trace_busy_time(fn, arg_sets, calls: int, device="/device:GPU") -> float:
@@ -181,6 +227,12 @@ def time_interleaved(
   call; cuDNN 7,270 against 6,543). Alternating gives every run the same
   mix of states.
 
+  All runs are timed by one method, decided before the rounds
+  (`timing_method`): the clock, or, if any run is host-bound, traces for
+  all (whose figures leave out the gaps between kernels, for every
+  program alike). So a ratio compares like with like, and a median never
+  pools the two kinds of figure.
+
   Returns `{key: median seconds}`, and prints each run's per-round times.
   With `skip_failures`, a run whose first calls raise is printed and left
   out of the rounds and the result.
@@ -198,14 +250,21 @@ def time_interleaved(
   keys = list(runs)
   if not keys:
     return {}
+  method = timing_method(runs, calls)
   times = {k: [] for k in keys}
   for r in range(rounds):
     s = r % len(keys)
     for k in keys[s:] + keys[:s]:
       fn, arg_sets = runs[k]
-      times[k].append(device_time(fn, arg_sets, calls=calls, repeats=1))
+      times[k].append(
+        device_time(fn, arg_sets, calls=calls, repeats=1, method=method)
+      )
   for k, ts in times.items():
-    print(f"    {k}: rounds (ms) {np.round(np.array(ts) * 1e3, 4)}", flush=True)
+    how = " (from traces)" if method == "trace" else ""
+    print(
+      f"    {k}: rounds (ms){how} {np.round(np.array(ts) * 1e3, 4)}",
+      flush=True,
+    )
   return {k: float(np.median(ts)) for k, ts in times.items()}
 
 

@@ -103,15 +103,23 @@ def test_fwd_bwd_keeps_the_forward_kernel():
 
 def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   """Rounds time every run once, the order rotated; each run's figure is
-  the median of its own rounds. A run whose first call fails raises, or
-  with `skip_failures` is left out."""
+  the median of its own rounds, all timed by the method decided for it
+  once before the rounds. A run whose first call fails raises, or with
+  `skip_failures` is left out."""
   order, fake = [], iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])
+  decided = []
 
-  def device_time(fn, arg_sets, *, calls, repeats):
-    assert (calls, repeats) == (10, 1)
+  def timing_method(runs, calls):
+    assert calls == 10
+    decided.append(sorted(runs))
+    return "trace"
+
+  def device_time(fn, arg_sets, *, calls, repeats, method):
+    assert (calls, repeats, method) == (10, 1, "trace")
     order.append(fn.__name__)
     return next(fake)
 
+  monkeypatch.setattr(common, "timing_method", timing_method)
   monkeypatch.setattr(common, "device_time", device_time)
 
   def a(x):
@@ -127,6 +135,7 @@ def test_time_interleaved_alternates_and_takes_medians(monkeypatch):
   with pytest.raises(ValueError, match="no such shape"):
     common.time_interleaved(runs, rounds=3, calls=10)
   got = common.time_interleaved(runs, rounds=3, calls=10, skip_failures=True)
+  assert decided == [["a", "b"]]  # once, for the runs left
   assert order == ["a", "b", "b", "a", "a", "b"]
   # a: 5, 9, 3 -> 5; b: 1, 2, 4 -> 2
   assert got == {"a": 5.0, "b": 2.0}
@@ -250,6 +259,61 @@ def test_host_bound_programs_are_timed_from_a_trace(monkeypatch):
   monkeypatch.setattr(common.jax, "default_backend", lambda: "cpu")
   got = common.device_time(fn, [(1,)], calls=10, repeats=2)
   assert got == pytest.approx(3e-4)
+
+
+def test_timing_method_is_chosen_as_device_time_would(monkeypatch):
+  """A program is host-bound when its dispatch takes 90% of the device's
+  busy time (from a trace); `timing_method` answers "trace" for a group
+  when `device_time`'s "auto" would trace any of its programs, else
+  "clock"; "clock" and "trace" force one method."""
+  # Each call takes the host `host_us` to dispatch; the device runs it in
+  # `dev_us` (busy, as the trace reports it) once the host has sent it.
+  now, queued, host_us, dev_us = [0.0], [0], [300.0], 100.0
+
+  def fn(x):
+    now[0] += host_us[0] * 1e-6
+    queued[0] += 1
+    return x
+
+  def sync(out):  # wait out the device's queue, if it lags the host
+    now[0] += max(0.0, dev_us - host_us[0]) * 1e-6 * queued[0]
+    queued[0] = 0
+    return out
+
+  monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(common.jax, "block_until_ready", sync)
+  monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+  busy = [1e-4]  # dev_us, in seconds
+  monkeypatch.setattr(common, "trace_busy_time", lambda *a: busy[0])
+  slow_host = {"x": (fn, [(1,)])}
+  assert common.timing_method(slow_host, calls=10) == "trace"
+  assert common.device_time(fn, [(1,)], calls=10) == 1e-4
+  assert common.device_time(fn, [(1,)], calls=10, method="trace") == 1e-4
+  clock = common.device_time(fn, [(1,)], calls=10, method="clock")
+  assert clock == pytest.approx(3e-4)  # the host's rate
+  # Dispatch at 92% of the busy time: the clock would read the device
+  # (the host only just keeps up), but gaps come and go; still traced.
+  host_us[0] = 92.0
+  assert common.timing_method(slow_host, calls=10) == "trace"
+  # Dispatch far ahead of the device: the clock, with no trace taken.
+  host_us[0] = 10.0
+  busy[0] = None  # a trace would fail the comparison
+  assert common.timing_method(slow_host, calls=10) == "clock"
+  assert common.device_time(fn, [(1,)], calls=10) == pytest.approx(1e-4)
+  # One host-bound program makes the whole group traced.
+  busy[0] = 1e-4
+
+  def slow(x):
+    now[0] += 300e-6
+    return x
+
+  group = {"fast": (fn, [(1,)]), "slow": (slow, [(1,)])}
+  assert common.timing_method(group, calls=10) == "trace"
+  # A trace without device ops keeps the clock.
+  busy[0] = 0.0
+  assert common.timing_method(group, calls=10) == "clock"
+  with pytest.raises(ValueError, match="method='wall'"):
+    common.device_time(fn, [(1,)], calls=10, method="wall")
 
 
 def test_busy_time_is_the_union_of_op_intervals(monkeypatch):
