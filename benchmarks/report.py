@@ -33,15 +33,19 @@ cost spread over the batch.
 
 A program whose host dispatch keeps up with the device only barely (many
 small ops: GDPA's pooled case, jagged attention's cands mix, the smallest
-FP8 programs) would be timed at the host's rate. For those,
-`device_time` prints the dispatch time and uses the device's busy time
-from a profiler trace of the same calls (`common.trace_busy_time`: time
-some op runs; the gaps between ops, host-inflated there, left out). In
-the 2026-12-01 pooled run our forward dispatched at 160.8 us per four-set
-call against 109.1 us busy; cuDNN's pooled programs were not host-bound.
-Timed in alternation, each round decides this for itself, so a
-host-bound program's median may pool both figures (jagged attention's
-cands mix, 2026-12-02).
+FP8 programs) would be timed at the host's rate. For those, `device_time`
+prints the dispatch time and uses the device's busy time from a profiler
+trace of the same calls (`common.trace_busy_time`: time some op runs; the
+gaps between ops, host-inflated there, left out). A program counts as
+host-bound when its dispatch takes at least 90% of its busy time. Since the
+cands and pooled runs of 2026-12-02 (the second that day), programs timed
+in alternation are all timed one way, decided once before the rounds: from
+traces, cuDNN's included, if any of them is host-bound
+(`common.timing_method`). In that pooled run our forward dispatched at
+112.6 us per four-set call against 109.0 us busy. Earlier, each round
+decided for itself, so a host-bound program's median could pool both
+figures and its baseline was timed by the clock (FP8 and RMSNorm tables;
+the 2026-12-01 pooled run: 160.8 us dispatch against 109.1 us busy).
 
 Runs of one command differ by a few percent. Dense attention runs at the
 H200's 700 W power cap in a timed batch, its SM clock lowered (D=128
@@ -60,8 +64,9 @@ and the forwards at 1.42x, 1.48x, 1.42x (D=128, goal 1.3x) and 1.57x,
 1.61x, 1.61x (D=64, goal 1.5x). Before, ours was timed ahead of cuDNN, each
 in one stretch: five runs on 2026-12-01 (four before the D=128 pair swaps,
 one after) read D=128 forward+backward at 1.111-1.173x and three D=64 runs
-at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Each table shows its last
-run.
+at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Two later D=64 log-normal
+runs that day (with `--breakdown`) read forward+backward at 1.258x and
+1.273x, the forward at 1.61x and 1.58x. Each table shows its last run.
 """
 
 
