@@ -302,6 +302,52 @@ def copy_bandwidth(nbytes: int = 1 << 30, **timing) -> float:
   return max(bws.values())
 
 
+def kernel_profile(directory, region: str = "item") -> dict:
+  """Per-SM balance of each kernel profiled under
+  `pallas_kernels.mosaic.profiling(directory)` (one folder per kernel,
+  its newest trace): from the warpgroups' top-level `region` ranges
+  (nested ones and the profiler's own "Init" left out), per SM the end of
+  its last range, measured from the kernel's first range start.
+
+  Returns `{kernel: {"span_us", "sms", "regions", "end_mean_us",
+  "end_max_over_mean", "idle_share"}}`: `idle_share` is the part of the
+  SMs' time within the span after their last range (the cost of
+  imbalance at the tail). A persistent kernel runs one CTA per SM, so an
+  SM's end is its CTA's."""
+  out = {}
+  for folder in sorted(pathlib.Path(directory).glob("*")):
+    files = sorted(folder.glob("*-trace.json"))
+    if not folder.is_dir() or not files:
+      continue
+    events = json.loads(files[-1].read_text())["traceEvents"]
+    ranges, open_by_trace = [], {}
+    for e in events:
+      stack = open_by_trace.setdefault(e["tid"], [])
+      if e["ph"] == "B":
+        stack.append(e)
+        continue
+      begin = stack.pop()
+      if not stack and begin["name"] == region:
+        ranges.append((begin["pid"], begin["ts"], e["ts"]))
+    if not ranges:
+      continue
+    t0 = min(r[1] for r in ranges)
+    span = max(r[2] for r in ranges) - t0
+    ends = {}
+    for sm, _, end in ranges:
+      ends[sm] = max(ends.get(sm, t0), end)
+    e = np.array(list(ends.values())) - t0
+    out[folder.name] = {
+      "span_us": float(span),
+      "sms": len(e),
+      "regions": len(ranges),
+      "end_mean_us": float(e.mean()),
+      "end_max_over_mean": float(e.max() / e.mean()),
+      "idle_share": float(1 - e.mean() / span),
+    }
+  return out
+
+
 def trace_summary(log_dir, steps: int, top: int = 12, device="/device:GPU"):
   """Device time per step from a `jax.profiler.trace(log_dir,
   create_perfetto_trace=True)` of `steps` steps: for every device process

@@ -30,7 +30,10 @@ Also timed: our forward kernel alone (work list and side tiles prebuilt)
 and the backward's dQ (with delta) and dK/dV kernels alone, to show where
 the time goes (`--breakdown`), and the op under other block sizes
 (`--tune`: the variants in `TUNE`, none at present; the comment above it
-lists those tried).
+lists those tried), and, with `--profile`, how evenly the SMs finish each
+of our kernels in one forward+backward call (the Mosaic GPU profiler:
+`pallas_kernels.mosaic.profiling`, `common.kernel_profile`; traces under
+`--out`).
 """
 
 import argparse
@@ -40,6 +43,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 
 from benchmarks import smoke
 
@@ -50,6 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from pallas_kernels import mosaic
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.jagged_attention.reference import (
@@ -240,6 +245,8 @@ def run_case(h, mix, rng, args, records, extra):
       tune(h, case, q_off_j, kv_off_j, sets, extra, default_grads)
     if args.breakdown and mix in ("lognormal", "all2048"):
       breakdown(h, case, q_off_j, kv_off_j, sets, times, extra)
+    if args.profile and mix in ("lognormal", "all2048"):
+      profile(case, ours, sets, extra, args.out)
   except Exception as e:
     print(f"{case}: extra timings failed: {type(e).__name__}: {e}"[:2000])
 
@@ -285,6 +292,35 @@ def tune(h, case, q_off, kv_off, sets, extra, default_grads):
     extra.append(
       {"case": case, "part": f"tune_{kind} {bs}", "ms": sec * 1e3, "err": err}
     )
+
+
+def profile(case, ours, sets, extra, out):
+  """How evenly the SMs finish each of our kernels in one forward+backward
+  call of the first input set: the program built again under the Mosaic
+  GPU profiler (`mosaic.profiling`; the jagged kernels mark each work item
+  a region), compiled first, then run once right after 30 calls of the
+  plain program, so the chip is warm when the profiled kernels write their
+  traces (on their first run). GPU only: interpret mode has no profiler."""
+  if INTERPRET is not None:
+    print(f"{case}: --profile needs a GPU (interpret mode has no profiler)")
+    return
+  root = pathlib.Path(out or tempfile.mkdtemp()) / f"profile_{case}"
+  plain = jax.jit(common.fwd_bwd(ours))
+  with mosaic.profiling(root):
+    profiled = jax.jit(common.fwd_bwd(ours)).lower(*sets[0]).compile()
+  for _ in range(30):
+    out_ = plain(*sets[0])
+  jax.block_until_ready(out_)
+  jax.block_until_ready(profiled(*sets[0]))
+  jax.effects_barrier()  # the traces are written by host callbacks
+  for kernel, s in common.kernel_profile(root).items():
+    print(
+      f"{case:16s} profile {kernel:7s} span {s['span_us']:8.1f} us, SM ends "
+      f"max/mean {s['end_max_over_mean']:.3f}, tail idle "
+      f"{100 * s['idle_share']:.1f}% ({s['regions']} items, {s['sms']} SMs)",
+      flush=True,
+    )
+    extra.append({"case": case, "part": f"profile {kernel}", **s})
 
 
 def breakdown(h, case, q_off, kv_off, sets, times, extra):
@@ -395,6 +431,9 @@ def main():
   parser.add_argument("--out", default=None)
   parser.add_argument("--quick", action="store_true", help="no XLA ref")
   parser.add_argument("--breakdown", action="store_true")
+  parser.add_argument(
+    "--profile", action="store_true", help="per-SM balance of our kernels"
+  )
   parser.add_argument("--tune", action="store_true")
   parser.add_argument("--dims", default="128,64")
   parser.add_argument(

@@ -9,6 +9,10 @@ buffers that tiled TMA needs. One definition of each lives here; the kernels
 import them rather than copying.
 """
 
+import contextlib
+import functools
+import os
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -259,13 +263,65 @@ def smem_swizzled(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=(SWIZZLE,))
 
 
+# Settings of `profiling` while it is active (empty: no profiler).
+_PROFILE: dict = {}
+
+
+@contextlib.contextmanager
+def profiling(directory, regions: int = 64):
+  """Intra-kernel profiles. While this is active, kernels built by
+  `warp_specialized` record the named regions of each warpgroup (a
+  `jax.named_scope` in the kernel body, e.g. `named`; the jagged
+  attention kernels mark each work item "item") with the Mosaic GPU
+  profiler, up to `regions` per warpgroup, and each writes a Perfetto
+  trace into `directory/<kernel name>/`, read by
+  `benchmarks/common.kernel_profile`.
+
+  It acts where a kernel is traced (a jitted function's first call), and
+  a compiled kernel writes its trace once, on its first run, so warm the
+  GPU with another program before that run (a cold chip runs slower)."""
+  old = dict(_PROFILE)
+  _PROFILE.update(regions=regions, directory=str(directory))
+  try:
+    yield
+  finally:
+    _PROFILE.clear()
+    _PROFILE.update(old)
+
+
+def named(name: str, f):
+  """`f` with its operations in `jax.named_scope(name)`: a profiler region
+  per call under `profiling` (nothing otherwise)."""
+
+  @functools.wraps(f)
+  def scoped(*args):
+    with jax.named_scope(name):
+      return f(*args)
+
+  return scoped
+
+
 def warp_specialized(
-  kernel, *, out_type, scratch, grid, consumers, interpret, items="workers"
+  kernel,
+  *,
+  out_type,
+  scratch,
+  grid,
+  consumers,
+  interpret,
+  items="workers",
+  name="kernel",
 ):
   """`plgpu.kernel` as every attention kernel launches it: a `(heads,
   items)` grid (`items`: "workers" for persistent CTAs, "items" for one
   CTA per work item), `consumers` compute warpgroups plus one producer on
-  the "wg" axis, approximate math (`exp2`, `tanh`)."""
+  the "wg" axis, approximate math (`exp2`, `tanh`). `name`: the kernel's
+  folder under `profiling`."""
+  params = {}
+  if _PROFILE and interpret is None:
+    directory = os.path.join(_PROFILE["directory"], name)
+    os.makedirs(directory, exist_ok=True)
+    params = dict(profile_space=_PROFILE["regions"], profile_dir=directory)
   return plgpu.kernel(
     kernel,
     out_type=out_type,
@@ -274,6 +330,6 @@ def warp_specialized(
     grid_names=("heads", items),
     num_threads=consumers + 1,
     thread_name="wg",
-    compiler_params=plgpu.CompilerParams(approx_math=True),
+    compiler_params=plgpu.CompilerParams(approx_math=True, **params),
     interpret=interpret,
   )

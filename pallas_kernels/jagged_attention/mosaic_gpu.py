@@ -943,7 +943,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         pl.when(kv_steps == 0)(lambda: load_q(j + 1))  # no key loop
         return base + kv_steps
 
-      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == hpc)
@@ -986,6 +986,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     grid=(n // hpc, workers),
     consumers=hpc,
     interpret=static.interpret,
+    name="forward",
   )(items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side)
 
 
@@ -1237,7 +1238,7 @@ def backward_dq(
         pl.when(kv_steps == 0)(lambda: load_in(j + 1))  # no key loop
         return base + kv_steps
 
-      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == hpc)
@@ -1283,6 +1284,7 @@ def backward_dq(
     grid=(n // hpc, workers),
     consumers=hpc,
     interpret=static.interpret,
+    name="dq",
   )(
     items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh,
     do_tnh, lse,
@@ -1619,7 +1621,7 @@ def backward_dkv(
           )
         return base_step + total
 
-      lax.fori_loop(0, n_items, body, jnp.int32(0))
+      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == wgs)
@@ -1701,4 +1703,5 @@ def backward_dkv(
     grid=(kh, workers),
     consumers=wgs,
     interpret=static.interpret,
+    name="dkv_dq" if fused else "dkv",
   )(*args)

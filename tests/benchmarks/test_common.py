@@ -334,3 +334,56 @@ def test_busy_time_is_the_union_of_op_intervals(monkeypatch):
   assert common.trace_busy_time(f, [(x,)], calls=3, device="/nothing") == 0
   monkeypatch.setattr(common, "_trace_events", lambda log_dir: None)
   assert common.trace_busy_time(f, [(x,)], calls=3) == 0
+
+
+def test_kernel_profile_reads_each_kernels_newest_trace(tmp_path):
+  """Per-SM tail balance from the Mosaic GPU profiler's Perfetto traces:
+  top-level "item" ranges only (not the profiler's "Init", other names, or
+  an "item" nested in one), per SM the last end, from the first start."""
+
+  def trace(name, spans):
+    # spans: (pid, tid, ph, region, ts), in the order the profiler writes.
+    events = [
+      {"name": r, "ph": ph, "ts": ts, "pid": pid, "tid": tid}
+      for pid, tid, ph, r, ts in spans
+    ]
+    path = tmp_path / "dkv" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+
+  trace(
+    "kernel-1-trace.json", [(1, 1, "B", "item", 0), (1, 1, "E", "item", 99)]
+  )
+  trace(
+    "kernel-2-trace.json",
+    [
+      (1, 1, "B", "Init", 0),
+      (1, 1, "E", "Init", 0.5),
+      (1, 1, "B", "item", 1),
+      (1, 1, "B", "item", 2),  # nested: not counted
+      (1, 1, "E", "item", 3),
+      (1, 1, "E", "item", 5),
+      (1, 1, "B", "item", 5),
+      (1, 1, "E", "item", 9),
+      (1, 2, "B", "item", 1),
+      (1, 2, "E", "item", 8),
+      (2, 4, "B", "item", 1.5),
+      (2, 4, "E", "item", 6),
+      (2, 5, "B", "other", 0),
+      (2, 5, "E", "other", 12),
+    ],
+  )
+  (tmp_path / "empty").mkdir()
+  got = common.kernel_profile(tmp_path)
+  assert list(got) == ["dkv"]
+  # SM 1 ends at 9, SM 2 at 6; the first start is 1.
+  assert got["dkv"] == pytest.approx(
+    {
+      "span_us": 8.0,
+      "sms": 2,
+      "regions": 4,
+      "end_mean_us": 6.5,
+      "end_max_over_mean": 8 / 6.5,
+      "idle_share": 1 - 6.5 / 8,
+    }
+  )

@@ -105,3 +105,39 @@ def test_persistent_grids_follow_the_gpu(h20):
   bs8 = matmul_mgpu.BlockSizes()
   assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8) == 1
   assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8, num_sms=132) == 2
+
+
+def test_profiling_reaches_compiled_kernels_only(monkeypatch, tmp_path):
+  """`mosaic.profiling` gives every kernel built by `warp_specialized`
+  meanwhile the Mosaic GPU profiler, its traces in a folder per kernel;
+  kernels built outside it, or in interpret mode (no profiler), get
+  none. `mosaic.named` marks the regions it records."""
+  built = []
+
+  def kernel(body, *, compiler_params, **kw):
+    built.append(compiler_params)
+    return body
+
+  monkeypatch.setattr(mosaic.plgpu, "kernel", kernel)
+
+  def build(interpret=None, **kw):
+    args = dict(out_type=(), scratch=(), grid=(1, 1), consumers=2)
+    return mosaic.warp_specialized(
+      lambda: None, interpret=interpret, **args, **kw
+    )
+
+  build()
+  with mosaic.profiling(tmp_path, regions=32):
+    build(name="dkv")
+    build(interpret=object(), name="forward")
+  build()
+  spaces = [(p.profile_space, p.profile_dir) for p in built]
+  assert spaces == [(0, ""), (32, str(tmp_path / "dkv")), (0, ""), (0, "")]
+  assert all(p.approx_math for p in built)
+  assert [d.name for d in tmp_path.iterdir()] == ["dkv"]
+
+  def f(x):
+    return jnp.sin(x) * 2
+
+  jaxpr = jax.make_jaxpr(mosaic.named("item", f))(1.0)
+  assert all("item" in str(e.source_info.name_stack) for e in jaxpr.eqns)
