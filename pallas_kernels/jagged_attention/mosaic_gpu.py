@@ -109,6 +109,17 @@ between, then `dV` and `dK` together with dS's store (and the fused dQ)
 behind them. Measured numbers: BENCHMARKS.md (`benchmarks/jagged_attention.py`,
 whose --breakdown times the kernels alone).
 
+The exponentials' share (the special function unit's `exp2`, one per score
+in the forward and one per recomputed score in the backward): with every
+`exp2` replaced at trace time by one multiply-add (wrong values, timing
+only; H200, 2026-12-02, the benchmark's log-normal batch, timed in
+alternation with the real kernels), the D64 forward ran 0.2348 against
+0.2544 ms a set and forward+backward 0.8737 against 0.9266; D128 0.3586
+against 0.3724 and 1.4704 against 1.5419. So no trick on the exponentials (a
+polynomial on the FMA units for part of them, as FlashAttention-4 does on
+Blackwell) could give more than those 4-8% (3.7-7.7%); Mosaic GPU does not
+lower `floor`, which the usual polynomial needs.
+
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
 which the GPU interpreter does not handle) becomes `acc + jnp.dot(a, b)`.
@@ -217,7 +228,21 @@ class BlockSizes:
     without them (two runs, 2026-12-01). They depend on the offsets alone,
     so XLA computes them once per jitted step for all the layers that
     share those offsets (in the benchmark, once for its four input sets);
-    a program with a single attention call pays them whole."""
+    a program with a single attention call pays them whole.
+    Yet the D64 fused kernel's deal is uneven: profiled on the H200
+    (2026-12-02, `mosaic.profiling`, one call of the benchmark's
+    log-normal batch, the first run after compiling, on a cool chip), its
+    SMs finished at max/mean 1.065 with the plain deal (6.1% of the SMs'
+    time idle at the tail; the items' times fit 2.70 us a step plus 0.27
+    us, residual 0.7%, so the cost model in `_deal_items` predicts each
+    CTA's load), 1.027 with one round of swaps and 1.013 with two (kernel
+    span 1,072.8 / 1,034.2 / 1,024.3 us; the forward's deal: 1.016, 1.009,
+    1.007). Timed in alternation in one process (fwd+bwd, ms a set): plain
+    0.9418, one round on every deal 0.9277, two 0.9450, two / three on the
+    fused kernel's deal alone 0.9367 / 0.9434: within the rounds' spread
+    (about 2%), though the profile shortened the kernel by 4.5%. The
+    swaps' own small ops (not timed at D64) take part of that back;
+    cheaper swaps (no sort or scatter) would show how much."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False, fwd_overlap=True, deal_swaps=2)
