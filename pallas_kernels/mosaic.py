@@ -268,13 +268,15 @@ _PROFILE: dict = {}
 
 
 @contextlib.contextmanager
-def profiling(directory, regions: int = 64):
+def profiling(directory, regions: int = 48):
   """Intra-kernel profiles. While this is active, kernels built by
   `warp_specialized` record the named regions of each warpgroup (a
   `jax.named_scope` in the kernel body, e.g. `named`; the jagged
   attention kernels mark each work item "item") with the Mosaic GPU
-  profiler, up to `regions` per warpgroup, and each writes a Perfetto
-  trace into `directory/<kernel name>/`, read by
+  profiler, up to `regions` per warpgroup (the profiler's own "Init"
+  included; each costs 16 B of shared memory per warpgroup, and 48 is
+  what ran on the H200 beside the fused backward's buffers), and each
+  writes a Perfetto trace into `directory/<kernel name>/`, read by
   `benchmarks/common.kernel_profile`.
 
   It acts where a kernel is traced (a jitted function's first call), and

@@ -231,18 +231,20 @@ class BlockSizes:
     a program with a single attention call pays them whole.
     Yet the D64 fused kernel's deal is uneven: profiled on the H200
     (2026-12-02, `mosaic.profiling`, one call of the benchmark's
-    log-normal batch, the first run after compiling, on a cool chip), its
-    SMs finished at max/mean 1.065 with the plain deal (6.1% of the SMs'
-    time idle at the tail; the items' times fit 2.70 us a step plus 0.27
-    us, residual 0.7%, so the cost model in `_deal_items` predicts each
-    CTA's load), 1.027 with one round of swaps and 1.013 with two (kernel
-    span 1,072.8 / 1,034.2 / 1,024.3 us; the forward's deal: 1.016, 1.009,
-    1.007). Timed in alternation in one process (fwd+bwd, ms a set): plain
-    0.9418, one round on every deal 0.9277, two 0.9450, two / three on the
-    fused kernel's deal alone 0.9367 / 0.9434: within the rounds' spread
-    (about 2%), though the profile shortened the kernel by 4.5%. The
-    swaps' own small ops (not timed at D64) take part of that back;
-    cheaper swaps (no sort or scatter) would show how much."""
+    log-normal batch, the first run after compiling, whose spans read
+    about 1.7x the kernels' timed figures: a cool chip or the profiler,
+    not told apart), its SMs finished at max/mean 1.065 with the plain
+    deal (6.1% of the SMs' time idle at the tail; the items' times fit
+    2.70 us a step plus 0.27 us, residual 0.7%, so the cost model in
+    `_deal_items` predicts each CTA's load), 1.027 with one round of swaps
+    and 1.013 with two (kernel span 1,072.8 / 1,034.2 / 1,024.3 us; the
+    forward's deal: 1.016, 1.009, 1.007). Timed in alternation in one
+    process (fwd+bwd, ms a set): plain 0.9418, one round on every deal
+    0.9277, two 0.9450, two / three on the fused kernel's deal alone
+    0.9367 / 0.9434: within the rounds' spread (about 2%), though the
+    profile shortened the kernel by 4.5%. The swaps' own small ops (not
+    timed at D64) take part of that back; cheaper swaps (no sort or
+    scatter) would show how much."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False, fwd_overlap=True, deal_swaps=2)
