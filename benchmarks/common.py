@@ -114,10 +114,9 @@ def timing_method(runs, calls: int) -> str:
   host-bound program), else "clock". Decided from one repeat of the
   clock's batches per run (and a trace where the host looks near its
   limit), so that rounds timed with it compare like with like and their
-  medians never pool the two kinds of figure (`time_interleaved`)."""
+  medians never pool the two kinds of figure (`time_interleaved`, which
+  has called each run once already: compiled, so not timed here)."""
   for fn, arg_sets in runs.values():
-    for a in arg_sets:
-      jax.block_until_ready(fn(*a))
     sec, host = _clock_time(fn, arg_sets, calls, repeats=1)
     if _busy_if_host_bound(fn, arg_sets, calls, sec, host) is not None:
       return "trace"

@@ -10,7 +10,6 @@ import them rather than copying.
 """
 
 import contextlib
-import functools
 import os
 
 import jax
@@ -271,7 +270,7 @@ _PROFILE: dict = {}
 def profiling(directory, regions: int = 48):
   """Intra-kernel profiles. While this is active, kernels built by
   `warp_specialized` record the named regions of each warpgroup (a
-  `jax.named_scope` in the kernel body, e.g. `named`; the jagged
+  `jax.named_scope` or `jax.named_call` in the kernel body; the jagged
   attention kernels mark each work item "item") with the Mosaic GPU
   profiler, up to `regions` per warpgroup (the profiler's own "Init"
   included; each costs 16 B of shared memory per warpgroup, and 48 is
@@ -289,18 +288,6 @@ def profiling(directory, regions: int = 48):
   finally:
     _PROFILE.clear()
     _PROFILE.update(old)
-
-
-def named(name: str, f):
-  """`f` with its operations in `jax.named_scope(name)`: a profiler region
-  per call under `profiling` (nothing otherwise)."""
-
-  @functools.wraps(f)
-  def scoped(*args):
-    with jax.named_scope(name):
-      return f(*args)
-
-  return scoped
 
 
 def warp_specialized(

@@ -117,7 +117,7 @@ alternation with the real kernels), the D64 forward ran 0.2348 against
 0.2544 ms a set and forward+backward 0.8737 against 0.9266; D128 0.3586
 against 0.3724 and 1.4704 against 1.5419. So no trick on the exponentials (a
 polynomial on the FMA units for part of them, as FlashAttention-4 does on
-Blackwell) could give more than those 4-8% (3.7-7.7%); Mosaic GPU does not
+Blackwell) could give more than those 3.7-7.7%; Mosaic GPU does not
 lower `floor`, which the usual polynomial needs.
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
@@ -229,22 +229,23 @@ class BlockSizes:
     so XLA computes them once per jitted step for all the layers that
     share those offsets (in the benchmark, once for its four input sets);
     a program with a single attention call pays them whole.
-    Yet the D64 fused kernel's deal is uneven: profiled on the H200
+    Yet the D64 fused kernel's deal is uneven. Profiled on the H200
     (2026-12-02, `mosaic.profiling`, one call of the benchmark's
     log-normal batch, the first run after compiling, whose spans read
     about 1.7x the kernels' timed figures: a cool chip or the profiler,
-    not told apart), its SMs finished at max/mean 1.065 with the plain
-    deal (6.1% of the SMs' time idle at the tail; the items' times fit
-    2.70 us a step plus 0.27 us, residual 0.7%, so the cost model in
-    `_deal_items` predicts each CTA's load), 1.027 with one round of swaps
-    and 1.013 with two (kernel span 1,072.8 / 1,034.2 / 1,024.3 us; the
-    forward's deal: 1.016, 1.009, 1.007). Timed in alternation in one
-    process (fwd+bwd, ms a set): plain 0.9418, one round on every deal
-    0.9277, two 0.9450, two / three on the fused kernel's deal alone
-    0.9367 / 0.9434: within the rounds' spread (about 2%), though the
-    profile shortened the kernel by 4.5%. The swaps' own small ops (not
-    timed at D64) take part of that back; cheaper swaps (no sort or
-    scatter) would show how much."""
+    not told apart), its SMs finished at max/mean 1.065 and 1.064 with the
+    plain deal in two runs (spans 1,072.8 and 1,073.9 us; 6.1% of the SMs'
+    time idle at the tail; the items' times fit 2.70 us a step plus 0.27
+    us, residual 0.7%, so the cost model in `_deal_items` predicts each
+    CTA's load). In the second run one round of swaps gave 1.027 (1,034.2
+    us) and two 1.013 (1,022.8 us on every deal, 1,024.3 on the fused
+    kernel's alone); the forward's deal read 1.016-1.017, 1.009 and 1.007.
+    Timed in alternation in that process (fwd+bwd, ms a set): plain
+    0.9418, one round on every deal 0.9277, two 0.9450, two / three on the
+    fused kernel's deal alone 0.9367 / 0.9434: within the rounds' spread
+    (about 2%), though the profile shortened the kernel by 4.6%. The
+    swaps' own small ops (not timed at D64) take part of that back;
+    cheaper swaps (no sort or scatter) would show how much."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(fused_bwd=False, fwd_overlap=True, deal_swaps=2)
@@ -970,7 +971,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
         pl.when(kv_steps == 0)(lambda: load_q(j + 1))  # no key loop
         return base + kv_steps
 
-      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
+      lax.fori_loop(0, n_items, jax.named_call(body, name="item"), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == hpc)
@@ -1265,7 +1266,7 @@ def backward_dq(
         pl.when(kv_steps == 0)(lambda: load_in(j + 1))  # no key loop
         return base + kv_steps
 
-      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
+      lax.fori_loop(0, n_items, jax.named_call(body, name="item"), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == hpc)
@@ -1648,7 +1649,7 @@ def backward_dkv(
           )
         return base_step + total
 
-      lax.fori_loop(0, n_items, mosaic.named("item", body), jnp.int32(0))
+      lax.fori_loop(0, n_items, jax.named_call(body, name="item"), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == wgs)

@@ -12,6 +12,7 @@ second wave. Off-GPU (interpret mode, lowering for CUDA on this host) it is
 import dataclasses
 
 import jax
+import jax._src.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ import pallas_kernels
 from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import matmul_mgpu
 from pallas_kernels.jagged_attention import mosaic_gpu as jagged_mg
+from pallas_kernels.jagged_attention.op import (
+  jagged_attention_mosaic as jagged_attention,
+)
 from pallas_kernels.rms_norm import mosaic_gpu as rms_mg
 
 
@@ -111,7 +115,7 @@ def test_profiling_reaches_compiled_kernels_only(monkeypatch, tmp_path):
   """`mosaic.profiling` gives every kernel built by `warp_specialized`
   meanwhile the Mosaic GPU profiler, its traces in a folder per kernel;
   kernels built outside it, or in interpret mode (no profiler), get
-  none. `mosaic.named` marks the regions it records."""
+  none."""
   built = []
 
   def kernel(body, *, compiler_params, **kw):
@@ -136,8 +140,32 @@ def test_profiling_reaches_compiled_kernels_only(monkeypatch, tmp_path):
   assert all(p.approx_math for p in built)
   assert [d.name for d in tmp_path.iterdir()] == ["dkv"]
 
-  def f(x):
-    return jnp.sin(x) * 2
 
-  jaxpr = jax.make_jaxpr(mosaic.named("item", f))(1.0)
-  assert all("item" in str(e.source_info.name_stack) for e in jaxpr.eqns)
+def test_jagged_kernels_mark_their_work_items():
+  """What `mosaic.profiling` records: each jagged attention kernel marks
+  its work items as "item" regions (`jax.named_call`); the small delta
+  kernel has no items."""
+
+  def marks_items(jaxpr):
+    return any(
+      "item" in str(e.source_info.name_stack)
+      or any(marks_items(s) for s in jax_core.jaxprs_in_params(e.params))
+      for e in jaxpr.eqns
+    )
+
+  def kernels(jaxpr):  # `plgpu.kernel` stages out as `mpmd_map`
+    for e in jaxpr.eqns:
+      subs = jax_core.jaxprs_in_params(e.params)
+      if e.primitive.name == "mpmd_map":
+        yield any(marks_items(s) for s in subs)
+      for s in subs:
+        yield from kernels(s)
+
+  off = jnp.array([0, 70, 80], jnp.int32)
+  for h, want in ((64, [True, False, True]), (128, [True, True, True])):
+    # D64: forward, delta, fused dK/dV/dQ; D128: forward, dQ, dK/dV.
+    q, kv = jnp.ones((80, 2, h), jnp.bfloat16), jnp.ones((80, 1, h))
+    loss = lambda q, k, v: jagged_attention(q, k, v, off, off).sum()  # noqa: E731
+    grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))
+    jaxpr = grads(q, kv.astype(q.dtype), kv.astype(q.dtype)).jaxpr
+    assert list(kernels(jaxpr)) == want, h
