@@ -345,6 +345,11 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
   it). Pairs are disjoint, so a round is a few array ops. Items change
   workers but each row's real steps stay a prefix of it.
 
+  Built of compares, reductions, gathers and selects only (the workers'
+  ranks by pairwise compare, no sort or scatter), so XLA fuses a round
+  into a few small kernels: it runs on the device once per distinct set
+  of offsets, beside the attention it schedules.
+
   `cost`: `[num_items]` cost of each item (padding items are never read).
   Returns the new `dealt`.
   """
@@ -352,12 +357,21 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
   p = w // 2
   if p == 0:
     return dealt
-  real = jnp.arange(j, dtype=jnp.int32)[None, :] < counts[:, None]
+  col = jnp.arange(j, dtype=jnp.int32)
+  real = col[None, :] < counts[:, None]
   c = jnp.where(real, cost[dealt], 0)
+  me = jnp.arange(w, dtype=jnp.int32)
+  pair = jnp.arange(p, dtype=jnp.int32)
   for _ in range(rounds):
     load = c.sum(axis=1)
-    order = jnp.argsort(-load, stable=True)
-    hi, lo = order[:p], order[::-1][:p]
+    # Rank 0 is the busiest; ties go to the lower index (a stable sort).
+    ahead = (load[None, :] > load[:, None]) | (
+      (load[None, :] == load[:, None]) & (me[None, :] < me[:, None])
+    )
+    rank = ahead.sum(axis=1, dtype=jnp.int32)
+    at = rank[None, :] == me[:, None]  # [rank, worker]
+    order = jnp.sum(jnp.where(at, me[None, :], 0), axis=1)
+    hi, lo = order[pair], order[w - 1 - pair]
     gap = load[hi] - load[lo]
     d = c[hi][:, :, None] - c[lo][:, None, :]  # [p, j, j]
     ok = real[hi][:, :, None] & real[lo][:, None, :] & (d > 0)
@@ -367,12 +381,16 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
     best = jnp.argmin(score, axis=1)
     swap = score.min(axis=1) < gap  # some pair narrows the gap
     x, y = best // j, best % j
-    dealt, c = (_exchange(m, (hi, x), (lo, y), swap) for m in (dealt, c))
+    # Each worker's side of its pair: the column it gives up, and the
+    # partner and column it takes from.
+    is_hi, is_lo = rank < p, rank >= w - p
+    k = jnp.clip(jnp.where(is_hi, rank, w - 1 - rank), 0, p - 1)
+    mine = jnp.where(is_hi, x[k], y[k])
+    partner = jnp.where(is_hi, lo[k], hi[k])
+    theirs = jnp.where(is_hi, y[k], x[k])
+    moves = (is_hi | is_lo) & swap[k]
+    here = moves[:, None] & (col[None, :] == mine[:, None])
+    dealt, c = (
+      jnp.where(here, m[partner, theirs][:, None], m) for m in (dealt, c)
+    )
   return dealt
-
-
-def _exchange(m, i, j, where):
-  """`m` with its entries at index tuples `i` and `j` exchanged where
-  `where` (elementwise over the indexed entries)."""
-  a, b = m[i], m[j]
-  return m.at[i].set(jnp.where(where, b, a)).at[j].set(jnp.where(where, a, b))
