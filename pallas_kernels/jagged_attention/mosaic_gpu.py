@@ -163,9 +163,13 @@ class BlockSizes:
   fold_heads: bool = True  # non-causal short query sides: heads into rows
   num_sms: int | None = None  # persistent CTAs = about this many (None:
   # the GPU's SMs, `mosaic.num_sms`)
-  deal_swaps: int = 0  # persistent kernels: rounds of
-  # `schedule.pair_swaps` after the zig-zag deal (evens out the CTAs'
-  # loads by item cost; `default` says where it pays)
+  q_deal_swaps: int = 0  # persistent forward and dQ kernels: rounds of
+  # `schedule.pair_swaps` after the zig-zag deal of the query items (evens
+  # out the CTAs' loads by item cost; `default` says where it pays)
+  kv_deal_swaps: int = 0  # the same for the key items (the dK/dV kernel,
+  # fused or not)
+  fwd_exp_poly: int = 0  # forward: columns of each score tile whose exp2
+  # runs as a polynomial on the FMA units (`mosaic.exp2`), a multiple of 8
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -176,8 +180,14 @@ class BlockSizes:
       raise ValueError("block_kv_dq must divide block_kv (dQ reuses its list)")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
-    if self.deal_swaps < 0:
-      raise ValueError(f"deal_swaps={self.deal_swaps} must be >= 0")
+    for name in ("q_deal_swaps", "kv_deal_swaps"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+    if self.fwd_exp_poly % 8 or not 0 <= self.fwd_exp_poly <= self.block_kv:
+      raise ValueError(
+        f"fwd_exp_poly={self.fwd_exp_poly} must be a multiple of 8 in [0, "
+        f"block_kv={self.block_kv}] (columns of the forward's score tiles)"
+      )
     if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
       raise ValueError("bwd_registers must be 232 or 240")
 
@@ -215,40 +225,60 @@ class BlockSizes:
     1.164 / 2.877 with two and 240 registers, against 0.966 / 2.399;
     dQ and dK errors against the f32 reference 0.0029-0.0031 against
     0.0024-0.0025). Dropped.
-    Two rounds of pair swaps after the persistent deal (`deal_swaps`;
-    outputs equal bit for bit at D128, whose backward adds nothing in
-    arrival order) ran D128 log-normal fwd+bwd in 1.557 / 1.585 / 1.573 ms
-    a set against 1.596 / 1.597 / 1.588 (one round: 1.575 / 1.591 /
-    1.580), three runs timed in alternation with cuDNN, 2026-12-01;
+    Two rounds of pair swaps after each persistent deal (`q_deal_swaps`,
+    `kv_deal_swaps`; outputs equal bit for bit at D128, whose backward adds
+    nothing in arrival order) ran D128 log-normal fwd+bwd in 1.557 / 1.585
+    / 1.573 ms a set against 1.596 / 1.597 / 1.588 (one round: 1.575 /
+    1.591 / 1.580), three runs timed in alternation with cuDNN, 2026-12-01;
     all-2,048 (tiles already dealt evenly) 4.134 against 4.121, within the
-    rounds' spread. At D64 one round ran 0.924 against 0.927 and two
-    0.943, so D64 keeps the plain deal. The swaps add 34 small XLA ops
-    (sorts, gathers, scatters) and 57 us of device time: 86.4 against
-    29.4 us of small ops in traces of one single-set call with and
-    without them (two runs, 2026-12-01). They depend on the offsets alone,
-    so XLA computes them once per jitted step for all the layers that
-    share those offsets (in the benchmark, once for its four input sets);
-    a program with a single attention call pays them whole.
+    rounds' spread. With the swaps built of compares and gathers (no sort
+    or scatter, 2026-12-02; `schedule.pair_swaps`) two rounds on both deals
+    ran 1.5306 / 1.5427 against 1.5589 / 1.5533 plain, two on the key deal
+    alone 1.5623 / 1.5545 (two runs). They are small XLA ops that depend on
+    the offsets alone, so XLA computes them once per jitted step for all
+    the layers that share those offsets (in the benchmark, once for its
+    four input sets); a program with a single attention call pays them
+    whole: the query and key deals with two rounds each keep the device
+    busy 37.1 us (70.6 with the sorts and scatters, 5.5 with no swaps;
+    traces of 50 calls, 2026-12-02).
     Yet the D64 fused kernel's deal is uneven. Profiled on the H200
-    (2026-12-02, `mosaic.profiling`, one call of the benchmark's
-    log-normal batch, the first run after compiling, whose spans read
-    about 1.7x the kernels' timed figures: a cool chip or the profiler,
-    not told apart), its SMs finished at max/mean 1.065 and 1.064 with the
-    plain deal in two runs (spans 1,072.8 and 1,073.9 us; 6.1% of the SMs'
-    time idle at the tail; the items' times fit 2.70 us a step plus 0.27
-    us, residual 0.7%, so the cost model in `_deal_items` predicts each
-    CTA's load). In the second run one round of swaps gave 1.027 (1,034.2
-    us) and two 1.013 (1,022.8 us on every deal, 1,024.3 on the fused
-    kernel's alone); the forward's deal read 1.016-1.017, 1.009 and 1.007.
-    Timed in alternation in that process (fwd+bwd, ms a set): plain
-    0.9418, one round on every deal 0.9277, two 0.9450, two / three on the
-    fused kernel's deal alone 0.9367 / 0.9434: within the rounds' spread
-    (about 2%), though the profile shortened the kernel by 4.6%. The
-    swaps' own small ops (not timed at D64) take part of that back;
-    cheaper swaps (no sort or scatter) would show how much."""
+    (2026-12-02, `mosaic.profiling`, one call of the benchmark's log-normal
+    batch, the first run after compiling, whose spans read about 1.7x the
+    kernels' timed figures: a cool chip or the profiler, not told apart),
+    its SMs finished at max/mean 1.059-1.065 with the plain deal in three
+    runs (spans 1,067.6-1,073.9 us; 5.6-6.1% of the SMs' time idle at the
+    tail; the items' times fit 2.70 us a step plus 0.27 us, residual 0.7%,
+    so the cost model in `_deal_items` predicts each CTA's load). One round
+    of swaps gave 1.027 and two 1.013-1.015 (spans 1,022.8-1,024.4 us).
+    Timed, the shorter span does not show: fwd+bwd in alternation, ms a
+    set, plain 0.9418 / 0.9415 / 0.9473, two rounds on the key deal alone
+    0.9367 / 0.9445 / 0.9460 (the last two sort-free), one 0.9531 / 0.9655,
+    one on every deal 0.9277, two 0.9450 / 0.9454 / 0.9458 (2026-12-01 and
+    -02; the rounds' spread is about 2%). So D64 keeps the plain deal.
+    The forward's exponentials split between the special function unit and
+    a polynomial on the FMA units (`fwd_exp_poly` columns of each score
+    tile by `mosaic.exp2`'s polynomial; 2026-12-02, log-normal, runs timed
+    in alternation with cuDNN, ms a set): D128 forward 0.3879 / 0.3892 with
+    16 of the 128 columns, 0.3896 / 0.3942 with 32, against 0.3956 /
+    0.3990, and in a third run 0.3859 / 0.3820 / 0.3855 against 0.3906 /
+    0.3861 / 0.3880 (16: 0.6-2.5% faster); yet fwd+bwd with the same
+    backward ran 1.5706 / 1.5705 / 1.5992 against 1.5560 / 1.5606 / 1.5600,
+    slower, for a reason not told apart (the power cap lowering the clock
+    after a forward that keeps more units busy is one guess); the benchmark
+    with 16 as the default read forward 1.428x and fwd+bwd 1.152x cuDNN
+    (0.4017 / 1.588 ms). D64 forward 0.2620 / 0.2616 (16), 0.2728 / 0.2694
+    (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower (there the
+    polynomial's nine instructions an element cost more issue slots than
+    waiting on the special function unit did). The same split in the
+    backward's recomputed P (8 or 16 columns) ran fwd+bwd 0.959-0.973
+    against 0.931 / 0.937 at D64 and 1.576-1.588 against 1.535 / 1.556 at
+    D128; dropped. So no default takes it; a forward-only caller at D128
+    (serving) may set 16."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
-    return BlockSizes(fused_bwd=False, fwd_overlap=True, deal_swaps=2)
+    return BlockSizes(
+      fused_bwd=False, fwd_overlap=True, q_deal_swaps=2, kv_deal_swaps=2
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,13 +653,19 @@ def _kv_producer(
 
 
 def _deal_items(
-  items, groups: int, persistent: bool, bs: BlockSizes, steps_per_item=1
+  items,
+  groups: int,
+  persistent: bool,
+  bs: BlockSizes,
+  swaps: int = 0,
+  steps_per_item=1,
 ):
   """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
   turns per CTA) for a kernel over `items` (columns 1-2: valid rows; items
   without valid rows come last). Persistent: about `num_sms` CTAs over all
   `groups`, each walking the longest-first list dealt zig-zag
-  (`schedule.deal`); otherwise one CTA per item."""
+  (`schedule.deal`), then `swaps` rounds of `schedule.pair_swaps`;
+  otherwise one CTA per item."""
   num_items = items.shape[0]
   real = items[:, 2] > items[:, 1]
   if not persistent:
@@ -640,11 +676,11 @@ def _deal_items(
   )
   num_real = jnp.sum(real).astype(jnp.int32)
   dealt, counts = schedule.deal(num_items, num_real, workers, 1)
-  if bs.deal_swaps:
+  if swaps:
     # Cost of an item: its steps (column 7; times the heads it walks in the
     # dK/dV kernel) plus one for its loads and stores.
     cost = items[:, 7] * steps_per_item + 1
-    dealt = schedule.pair_swaps(dealt, counts, cost, bs.deal_swaps)
+    dealt = schedule.pair_swaps(dealt, counts, cost, swaps)
   return workers, dealt, counts
 
 
@@ -681,7 +717,9 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   num_items = items.shape[0]
   causal, window = static.causal, static.window
   c = static.scale * LOG2E
-  workers, dealt, counts = _deal_items(items, n // hpc, bs.persistent, bs)
+  workers, dealt, counts = _deal_items(
+    items, n // hpc, bs.persistent, bs, bs.q_deal_swaps
+  )
   # The two consumers ping-pong (not with `fwd_overlap`, where each
   # overlaps its own softmax with its wgmmas); only then is there a
   # barrier for their turns.
@@ -788,7 +826,11 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             if window is not None:  # exp2(-inf - -inf) would be NaN
               m_use = mosaic.select(m_ij == -jnp.inf, 0.0, m_ij)
             alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+            p = mosaic.exp2(
+              qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]),
+              bs.fwd_exp_poly,
+              static.interpret,
+            )
             l_i = l_i * alpha
             p16 = p.astype(dtype)
             l_i = l_i + p.sum(axis=1)
@@ -1111,7 +1153,9 @@ def backward_dq(
   num_items = items.shape[0]
   causal, window = static.causal, static.window
   c = static.scale * LOG2E
-  workers, dealt, counts = _deal_items(items, n // hpc, True, bs)
+  workers, dealt, counts = _deal_items(
+    items, n // hpc, True, bs, bs.q_deal_swaps
+  )
 
   def kernel(
     items_ref,
@@ -1403,7 +1447,9 @@ def backward_dkv(
   causal = static.causal
   c = static.scale * LOG2E
 
-  workers, dealt, counts = _deal_items(items, kh, True, bs, group)
+  workers, dealt, counts = _deal_items(
+    items, kh, True, bs, bs.kv_deal_swaps, group
+  )
 
   def kernel(
     items_ref,

@@ -8,8 +8,6 @@ sides, GQA with even and odd groups). `-m gpu` reruns them compiled at real
 shapes on the H200.
 """
 
-import dataclasses
-
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -139,6 +137,7 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     mg.BlockSizes(
       fused_bwd=False, block_kv_dq=64, persistent=False, bwd_pipeline=False
     ),
+    mg.BlockSizes(num_sms=1, fwd_exp_poly=32),
   ],
   ids=[
     "fused",
@@ -146,6 +145,7 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     "fused-plain",
     "dq128-overlap",
     "dq64-per-item-serial",
+    "exp-poly",
   ],
 )
 def test_causal_self_attention_interpret(block_sizes):
@@ -159,6 +159,8 @@ def test_causal_self_attention_interpret(block_sizes):
   # and side tiles, with 64 it builds its own; one forward CTA per item.
   # "overlap": the forward's software-pipelined key loop (head dim 128's
   # default): its first tile alone, the last tile's P V after the loop.
+  # "exp-poly": a quarter of the forward's exponentials by `mosaic.exp2`'s
+  # polynomial, masked scores (-inf) among them.
   _check_self(1, block_sizes)
 
 
@@ -206,18 +208,24 @@ def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
       12,
       False,
       mg.BlockSizes(
-        fused_bwd=False, block_kv_dq=128, num_sms=1, fwd_overlap=True
+        fused_bwd=False,
+        block_kv_dq=128,
+        num_sms=1,
+        fwd_overlap=True,
+        fwd_exp_poly=128,
       ),
     ),
   ],
-  ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap"],
+  ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap-poly"],
 )
 def test_sliding_window_interpret(window, causal, block_sizes):
   # A window narrower than a tile (rows of one query tile reach different
   # key tiles; some rows see no key of a tile they visit) and one wider,
   # causal, through the dQ kernel's 64-key steps (its own key range) or
   # its 128-key steps (the forward's); the sequence of 130 has query tiles
-  # whose windows start past its first key tile.
+  # whose windows start past its first key tile. "poly": every forward
+  # exponential by `mosaic.exp2`'s polynomial (fully masked rows of a tile
+  # get 2**-125 terms there, not 0).
   _check_self(3, block_sizes, causal=causal, window=window)
 
 
@@ -257,10 +265,11 @@ def _surplus_identity(s_x, z):
 @pytest.mark.parametrize(
   "bs",
   [
-    mg.BlockSizes(num_sms=3, deal_swaps=2),
+    mg.BlockSizes(num_sms=3, q_deal_swaps=2, kv_deal_swaps=2),
     mg.BlockSizes(
       num_sms=3,
-      deal_swaps=2,
+      q_deal_swaps=2,
+      kv_deal_swaps=2,
       fused_bwd=False,
       block_kv_dq=128,
       fwd_overlap=True,
@@ -269,10 +278,10 @@ def _surplus_identity(s_x, z):
   ids=["fused", "dq128-overlap"],
 )
 def test_swapped_deal_interpret(bs):
-  # `deal_swaps`: items move between the persistent CTAs of the forward,
-  # the dQ kernel (unfused, as head dim 128's default) and the dK/dV kernel
-  # (three CTAs for these lengths; the deal is checked to change), so a
-  # CTA walks them in no particular order.
+  # `q_deal_swaps`, `kv_deal_swaps`: items move between the persistent
+  # CTAs of the forward, the dQ kernel (unfused, as head dim 128's default)
+  # and the dK/dV kernel (three CTAs for these lengths; the deal is checked
+  # to change), so a CTA walks them in no particular order.
   lens = [94, 102, 151, 190, 6]
   off = cases.offsets(lens)
   t = -(-(int(off[-1]) + 5) // 8) * 8
@@ -282,11 +291,13 @@ def test_swapped_deal_interpret(bs):
   k_items = mg.key_items(
     off, off, t, sched.tile_start_b, block_q=64, block_kv=128, causal=False
   )
-  plain = dataclasses.replace(bs, deal_swaps=0)
-  for table, steps in ((items, 1), (k_items, 2)):
+  for table, swaps, steps in (
+    (items, bs.q_deal_swaps, 1),
+    (k_items, bs.kv_deal_swaps, 2),
+  ):
     assert not np.array_equal(
-      mg._deal_items(table, 1, True, bs, steps)[1],
-      mg._deal_items(table, 1, True, plain, steps)[1],
+      mg._deal_items(table, 1, True, bs, swaps, steps)[1],
+      mg._deal_items(table, 1, True, bs, 0, steps)[1],
     )
   _check_case(
     lens, None, n=2, kh=1, h=64, dtype=jnp.bfloat16, causal=False, tail=5,
@@ -551,8 +562,13 @@ def test_dispatch():
       q192, q192[:, :1], q192[:, :1], np.array([0, 4], np.int32)
     )
   assert not mosaic_supports(q192, q192[:, :1])
-  with pytest.raises(ValueError, match="deal_swaps=-1 must be >= 0"):
-    mg.BlockSizes(deal_swaps=-1)
+  with pytest.raises(ValueError, match="q_deal_swaps=-1 must be >= 0"):
+    mg.BlockSizes(q_deal_swaps=-1)
+  with pytest.raises(ValueError, match="kv_deal_swaps=-1 must be >= 0"):
+    mg.BlockSizes(kv_deal_swaps=-1)
+  for cols in (12, 136):
+    with pytest.raises(ValueError, match=f"fwd_exp_poly={cols} must be a"):
+      mg.BlockSizes(fwd_exp_poly=cols)
 
 
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
