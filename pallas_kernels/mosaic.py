@@ -121,62 +121,6 @@ def select(cond, x, y):
   return jnp.where(full(cond, jnp.bool_), full(x, dtype), full(y, dtype))
 
 
-# 2**f on [-1/2, 1/2], degree 3 (relative error 7.5e-5, under a bf16
-# probability's rounding of 2**-9): a least-squares fit reweighted towards
-# minimax. `exp2` below evaluates it by Horner's rule.
-_EXP2_POLY = (0.05517161971, 0.24261117038, 0.69326099909, 0.99992807095)
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer
-
-
-def exp2(x, poly_cols: int = 0, interpret=None):
-  """`2**x` of a `[rows, cols]` f32 tile of exponents `<= 0` (or -inf),
-  its first `poly_cols` columns by a polynomial on the FMA and integer
-  units, the rest by the special function unit's `exp2` (FlashAttention-4's
-  split: the SFU issues a quarter as many exponentials a clock as the FMA
-  units issue multiply-adds, but the polynomial takes nine instructions an
-  element; `jagged_attention.mosaic_gpu.BlockSizes.default` says where it
-  paid).
-
-  The polynomial's half: `n = round(x)` by adding and subtracting 1.5 *
-  2**23 (no conversion instruction), `2**(x - n)` by `_EXP2_POLY`, and
-  `n` added into the result's exponent bits (`n` sits in the low bits of
-  the rounded sum; shifted by 23 they land on the exponent). Exponents are
-  clamped at -125 first, so -inf (a masked score) gives 2**-125 (to the
-  polynomial's error), not 0:
-  below a bf16 probability's resolution against the row's maximum (whose
-  term is 1), and the caller's masks select 0 where it must be exact.
-  `poly_cols` must be a multiple of 8 (a wgmma layout's column tile).
-  In interpret mode (`interpret` not None) `n` comes from `lax.round`
-  (the same value: both round half to even): XLA on the CPU reassociates
-  `(x + C) - C` into `x`, which LLVM for the GPU (no `reassoc` flag on
-  Mosaic's float ops) does not.
-  """
-  cols = x.shape[-1]
-  if poly_cols % 8 or not 0 <= poly_cols <= cols:
-    raise ValueError(
-      f"poly_cols={poly_cols} must be a multiple of 8 in [0, {cols}]"
-    )
-  if poly_cols == 0:
-    return jnp.exp2(x)
-  a = jnp.maximum(x[:, :poly_cols], -125.0)
-  if interpret is None:
-    rounded = a + _ROUND_MAGIC
-    n = rounded - _ROUND_MAGIC
-    n_bits = lax.bitcast_convert_type(rounded, jnp.int32)
-  else:
-    n = lax.round(a, lax.RoundingMethod.TO_NEAREST_EVEN)
-    n_bits = n.astype(jnp.int32)
-  f = a - n
-  p = jnp.full(f.shape, _EXP2_POLY[0], jnp.float32)
-  for coef in _EXP2_POLY[1:]:
-    p = p * f + coef
-  bits = lax.bitcast_convert_type(p, jnp.int32) + (n_bits << 23)
-  head = lax.bitcast_convert_type(bits, jnp.float32)
-  if poly_cols == cols:
-    return head
-  return jnp.concatenate([head, jnp.exp2(x[:, poly_cols:])], axis=1)
-
-
 def release(barrier):
   """Hand a shared-memory buffer back to its producer warpgroup.
 

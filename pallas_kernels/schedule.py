@@ -361,7 +361,6 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
   real = col[None, :] < counts[:, None]
   c = jnp.where(real, cost[dealt], 0)
   me = jnp.arange(w, dtype=jnp.int32)
-  pair = jnp.arange(p, dtype=jnp.int32)
   for _ in range(rounds):
     load = c.sum(axis=1)
     # Rank 0 is the busiest; ties go to the lower index (a stable sort).
@@ -371,7 +370,7 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
     rank = ahead.sum(axis=1, dtype=jnp.int32)
     at = rank[None, :] == me[:, None]  # [rank, worker]
     order = jnp.sum(jnp.where(at, me[None, :], 0), axis=1)
-    hi, lo = order[pair], order[w - 1 - pair]
+    hi, lo = order[:p], order[::-1][:p]
     gap = load[hi] - load[lo]
     d = c[hi][:, :, None] - c[lo][:, None, :]  # [p, j, j]
     ok = real[hi][:, :, None] & real[lo][:, None, :] & (d > 0)

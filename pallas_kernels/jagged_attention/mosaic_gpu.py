@@ -168,8 +168,6 @@ class BlockSizes:
   # out the CTAs' loads by item cost; `default` says where it pays)
   kv_deal_swaps: int = 0  # the same for the key items (the dK/dV kernel,
   # fused or not)
-  fwd_exp_poly: int = 0  # forward: columns of each score tile whose exp2
-  # runs as a polynomial on the FMA units (`mosaic.exp2`), a multiple of 8
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -183,11 +181,6 @@ class BlockSizes:
     for name in ("q_deal_swaps", "kv_deal_swaps"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-    if self.fwd_exp_poly % 8 or not 0 <= self.fwd_exp_poly <= self.block_kv:
-      raise ValueError(
-        f"fwd_exp_poly={self.fwd_exp_poly} must be a multiple of 8 in [0, "
-        f"block_kv={self.block_kv}] (columns of the forward's score tiles)"
-      )
     if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
       raise ValueError("bwd_registers must be 232 or 240")
 
@@ -256,24 +249,26 @@ class BlockSizes:
     one on every deal 0.9277, two 0.9450 / 0.9454 / 0.9458 (2026-12-01 and
     -02; the rounds' spread is about 2%). So D64 keeps the plain deal.
     The forward's exponentials split between the special function unit and
-    a polynomial on the FMA units (`fwd_exp_poly` columns of each score
-    tile by `mosaic.exp2`'s polynomial; 2026-12-02, log-normal, runs timed
-    in alternation with cuDNN, ms a set): D128 forward 0.3879 / 0.3892 with
-    16 of the 128 columns, 0.3896 / 0.3942 with 32, against 0.3956 /
-    0.3990, and in a third run 0.3859 / 0.3820 / 0.3855 against 0.3906 /
-    0.3861 / 0.3880 (16: 0.6-2.5% faster); yet fwd+bwd with the same
-    backward ran 1.5706 / 1.5705 / 1.5992 against 1.5560 / 1.5606 / 1.5600,
-    slower, for a reason not told apart (the power cap lowering the clock
-    after a forward that keeps more units busy is one guess); the benchmark
-    with 16 as the default read forward 1.428x and fwd+bwd 1.152x cuDNN
-    (0.4017 / 1.588 ms). D64 forward 0.2620 / 0.2616 (16), 0.2728 / 0.2694
-    (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower (there the
-    polynomial's nine instructions an element cost more issue slots than
-    waiting on the special function unit did). The same split in the
-    backward's recomputed P (8 or 16 columns) ran fwd+bwd 0.959-0.973
+    a polynomial on the FMA units (FlashAttention-4's split: the first
+    16-48 columns of each score tile by a degree-3 polynomial, `n =
+    round(x)` by adding and subtracting 1.5 * 2**23 and `n` added into the
+    exponent bits, relative error 7.5e-5; 2026-12-02, log-normal, runs
+    timed in alternation with cuDNN, ms a set): D128 forward 0.3879 /
+    0.3892 with 16 of the 128 columns, 0.3896 / 0.3942 with 32, against
+    0.3956 / 0.3990, and in a third run 0.3859 / 0.3820 / 0.3855 against
+    0.3906 / 0.3861 / 0.3880 (16: 0.6-2.5% faster); yet fwd+bwd with the
+    same backward ran 1.5706 / 1.5705 / 1.5992 against 1.5560 / 1.5606 /
+    1.5600, slower, for a reason not told apart (the power cap lowering the
+    clock after a forward that keeps more units busy is one guess); the
+    benchmark with 16 as the default read forward 1.428x and fwd+bwd 1.152x
+    cuDNN (0.4017 / 1.588 ms). D64 forward 0.2620 / 0.2616 (16), 0.2728 /
+    0.2694 (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower
+    (there the polynomial's nine instructions an element cost more issue
+    slots than waiting on the special function unit did). The same split in
+    the backward's recomputed P (8 or 16 columns) ran fwd+bwd 0.959-0.973
     against 0.931 / 0.937 at D64 and 1.576-1.588 against 1.535 / 1.556 at
-    D128; dropped. So no default takes it; a forward-only caller at D128
-    (serving) may set 16."""
+    D128; dropped. No default took it, so it was removed (session 23's
+    commit 7c25085 has it, with its tests)."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(
@@ -826,11 +821,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
             if window is not None:  # exp2(-inf - -inf) would be NaN
               m_use = mosaic.select(m_ij == -jnp.inf, 0.0, m_ij)
             alpha = jnp.exp2(m_i - m_use)
-            p = mosaic.exp2(
-              qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]),
-              bs.fwd_exp_poly,
-              static.interpret,
-            )
+            p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_use, qk.shape, [0]))
             l_i = l_i * alpha
             p16 = p.astype(dtype)
             l_i = l_i + p.sum(axis=1)

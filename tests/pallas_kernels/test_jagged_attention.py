@@ -137,7 +137,6 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     mg.BlockSizes(
       fused_bwd=False, block_kv_dq=64, persistent=False, bwd_pipeline=False
     ),
-    mg.BlockSizes(num_sms=1, fwd_exp_poly=32),
   ],
   ids=[
     "fused",
@@ -145,7 +144,6 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     "fused-plain",
     "dq128-overlap",
     "dq64-per-item-serial",
-    "exp-poly",
   ],
 )
 def test_causal_self_attention_interpret(block_sizes):
@@ -159,8 +157,6 @@ def test_causal_self_attention_interpret(block_sizes):
   # and side tiles, with 64 it builds its own; one forward CTA per item.
   # "overlap": the forward's software-pipelined key loop (head dim 128's
   # default): its first tile alone, the last tile's P V after the loop.
-  # "exp-poly": a quarter of the forward's exponentials by `mosaic.exp2`'s
-  # polynomial, masked scores (-inf) among them.
   _check_self(1, block_sizes)
 
 
@@ -208,24 +204,18 @@ def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
       12,
       False,
       mg.BlockSizes(
-        fused_bwd=False,
-        block_kv_dq=128,
-        num_sms=1,
-        fwd_overlap=True,
-        fwd_exp_poly=128,
+        fused_bwd=False, block_kv_dq=128, num_sms=1, fwd_overlap=True
       ),
     ),
   ],
-  ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap-poly"],
+  ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap"],
 )
 def test_sliding_window_interpret(window, causal, block_sizes):
   # A window narrower than a tile (rows of one query tile reach different
   # key tiles; some rows see no key of a tile they visit) and one wider,
   # causal, through the dQ kernel's 64-key steps (its own key range) or
   # its 128-key steps (the forward's); the sequence of 130 has query tiles
-  # whose windows start past its first key tile. "poly": every forward
-  # exponential by `mosaic.exp2`'s polynomial (fully masked rows of a tile
-  # get 2**-125 terms there, not 0).
+  # whose windows start past its first key tile.
   _check_self(3, block_sizes, causal=causal, window=window)
 
 
@@ -566,9 +556,6 @@ def test_dispatch():
     mg.BlockSizes(q_deal_swaps=-1)
   with pytest.raises(ValueError, match="kv_deal_swaps=-1 must be >= 0"):
     mg.BlockSizes(kv_deal_swaps=-1)
-  for cols in (12, 136):
-    with pytest.raises(ValueError, match=f"fwd_exp_poly={cols} must be a"):
-      mg.BlockSizes(fwd_exp_poly=cols)
 
 
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
