@@ -262,13 +262,12 @@ class BlockSizes:
     clock after a forward that keeps more units busy is one guess); the
     benchmark with 16 as the default read forward 1.428x and fwd+bwd 1.152x
     cuDNN (0.4017 / 1.588 ms). D64 forward 0.2620 / 0.2616 (16), 0.2728 /
-    0.2694 (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower
-    (there the polynomial's nine instructions an element cost more issue
-    slots than waiting on the special function unit did). The same split in
-    the backward's recomputed P (8 or 16 columns) ran fwd+bwd 0.959-0.973
-    against 0.931 / 0.937 at D64 and 1.576-1.588 against 1.535 / 1.556 at
-    D128; dropped. No default took it, so it was removed (session 23's
-    commit 7c25085 has it, with its tests)."""
+    0.2694 (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower (the
+    polynomial's nine instructions an element the likely cost; not
+    profiled). The same split in the backward's recomputed P (8 or 16
+    columns) ran fwd+bwd 0.959-0.973 against 0.931 / 0.937 at D64 and
+    1.576-1.588 against 1.535 / 1.556 at D128; dropped. No default took it,
+    so it was removed (session 23's commit 7c25085 has it, with its tests)."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(
