@@ -651,7 +651,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
           sync_wgs(1)  # both done with the tiled K and V
           return 0
 
-        lax.fori_loop(0, n_steps, body, 0)
+        lax.fori_loop(0, n_steps, jax.named_call(body, name="item"), 0)
         plgpu.wait_smem_to_gmem(0)
 
       for wg_i in range(nwg):
@@ -726,12 +726,14 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
     nwg,
     static,
     args,
+    "block_fwd",
   )
 
 
-def _launch(kernel, scratch, out_type, grid, nwg, static, args):
+def _launch(kernel, scratch, out_type, grid, nwg, static, args, name):
   """`plgpu.kernel` with `None` scratch entries dropped (and passed as
-  None to the kernel body at their place)."""
+  None to the kernel body at their place); `name` as `mosaic.profiling`
+  files its traces."""
   present = [s is not None for s in scratch]
   real = [s for s in scratch if s is not None]
 
@@ -750,6 +752,7 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args):
     grid=grid,
     consumers=nwg,
     interpret=static.interpret,
+    name=name,
   )(*args)
 
 
@@ -925,7 +928,7 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
       if rope:  # the RoPE table, once for every tile
         plgpu.barrier_wait(cs_bar)
-      lax.fori_loop(0, n_steps, body, 0)
+      lax.fori_loop(0, n_steps, jax.named_call(body, name="item"), 0)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg < 2)
@@ -1009,4 +1012,5 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
     2,
     static,
     args,
+    "block_bwd",
   )
