@@ -125,6 +125,24 @@ rides on it), forward 66.0 / 65.9 against 64.8 / 65.6 us a set,
 backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048: forward 102.1
 / 101.0 against 101.0 / 100.8, backward 216.1 / 215.9 against 217.6 /
 218.3); not kept.
+Where the log-normal forward loses its last tenth (H200, 2026-12-02,
+timed in alternation, per set): 60.3 us with RoPE (70.6% of copy
+bandwidth), 55.2 without (77.0%), the same-bytes XLA op 48.4 (87.9%);
+at all-2,048 95.3, 92.5 and 87.0. A profile of each (`mosaic.profiling`,
+the items marked "item"; the first run after compiling, whose spans
+read about 1.7x the timed kernel, as in the jagged kernels' profiles)
+shows two fixed costs. A warpgroup's first item takes twice a later one
+(medians 17.5 against 8.6 us log-normal, 17.7 against 8.8 at
+all-2,048): every CTA asks for its first tiles at once, so the first
+math waits on the whole chip's first loads. And the last round is not
+cheaper: 1,130 items over 132 CTAs leave 74 with a ninth, whose median
+item runs 8.0 us against 8.6 overall although it has the bandwidth of
+fewer CTAs (a CTA's item is latency-bound once the chip is not
+saturated); CTAs with nine items end at 89.1 us, with eight at 81.5.
+Both weigh more at log-normal lengths, whose CTAs walk about 9 items
+against 16. Fewer CTAs, to even out the deal, did not pay: 126 / 128 /
+120 persistent CTAs (126 deals the 565 tiles of a KV head evenly) ran
+60.3 / 59.3 / 61.7 us log-normal and 97.2 / 98.7 / 100.8 at all-2,048.
 """
 
 import dataclasses
