@@ -45,6 +45,9 @@ class Trainer:
   model_def: object
   tx: object
   state_shardings: dict
+  # The state's shapes, dtypes and placement (`jax.ShapeDtypeStruct`
+  # leaves): the restore target, which initializes nothing.
+  abstract_state: dict
   batch_sharding: object
 
   @classmethod
@@ -60,9 +63,10 @@ class Trainer:
         f"{mesh.size} devices"
       )
     run_dir = pathlib.Path(run_dir or cfg.train.run_dir.format(config=cfg.name))
-    model_def, params = build(cfg, cfg.train.seed)
+    # Shapes only: placing the state needs no initialized parameters.
+    model_def, params = build(cfg, cfg.train.seed, abstract=True)
     tx = make_optimizer(cfg.train)
-    state = _host_state(params, tx, cfg.train.seed)
+    state = jax.eval_shape(lambda p: _host_state(p, tx, cfg.train.seed), params)
     axes = sharding.state_axes(state, model_def.logical_axes)
     shardings = sharding.tree_shardings(axes, state, mesh, cfg.mesh.strategy)
     return cls(
@@ -73,6 +77,11 @@ class Trainer:
       model_def,
       tx,
       shardings,
+      jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        state,
+        shardings,
+      ),
       sharding.batch_sharding(mesh, cfg.mesh.strategy),
     )
 
@@ -213,10 +222,11 @@ def train(
     contextlib.closing(tr.loader()) as loader,
     jax.set_mesh(tr.mesh),
   ):
-    state = tr.init_state()
     start = ckpt.latest_step()
-    if start is not None:
-      state, data_state = ckpt.restore(start, state)
+    if start is None:
+      state = tr.init_state()
+    else:
+      state, data_state = ckpt.restore(start, tr.abstract_state)
       loader.restore(data_state)
       if main:
         print(f"resumed {tr.run_dir} at step {start}", file=sys.stderr)
@@ -300,7 +310,7 @@ def upscaled_start(src: Trainer, dst: Trainer, layer_map) -> None:
   step = src_ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {src.run_dir}")
-  state, _ = src_ckpt.restore(step, src.init_state())
+  state, _ = src_ckpt.restore(step, src.abstract_state)
   src_ckpt.close()
   params = copy_and_stack(jax.device_get(state["params"]), layer_map)
   new = jax.device_put(

@@ -25,11 +25,20 @@ class ModelDef:
     return nnx.merge(self.graphdef, state)
 
 
-def build(cfg, seed: int):
-  """`cfg` is a `Config`. Returns (ModelDef, params) with params on host."""
-  model = RankingModel(
-    cfg.model, cfg.data.vocab_sizes(), cfg.data.num_dense, rngs=nnx.Rngs(seed)
-  )
+def build(cfg, seed: int, *, abstract: bool = False):
+  """`cfg` is a `Config`. Returns (ModelDef, params) with params on host, or
+  with `abstract` their shapes and dtypes only (`jax.ShapeDtypeStruct`
+  leaves, no initializer runs: what placement and restoring need)."""
+
+  def make():
+    return RankingModel(
+      cfg.model,
+      cfg.data.vocab_sizes(),
+      cfg.data.num_dense,
+      rngs=nnx.Rngs(seed),
+    )
+
+  model = nnx.eval_shape(make) if abstract else make()
   graphdef, state = nnx.split(model, nnx.Param)
   axes = nnx.to_pure_dict(
     jax.tree.map(

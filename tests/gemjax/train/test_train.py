@@ -43,7 +43,7 @@ def tiny(*more):
 def final_state(run_dir, cfg, devices=None):
   tr = Trainer.create(cfg, run_dir, devices=devices)
   ckpt = Checkpointer(tr.run_dir / "checkpoints")
-  state, data = ckpt.restore(ckpt.latest_step(), tr.init_state())
+  state, data = ckpt.restore(ckpt.latest_step(), tr.abstract_state)
   ckpt.close()
   return jax.device_get(state), data
 
