@@ -146,10 +146,4 @@ if __name__ == "__main__":
     "--xla_backend_optimization_level=0 "
     "--xla_llvm_disable_expensive_passes=true"
   )
-  import jax
-
-  cache = os.environ.get("GEMJAX_TEST_JAX_CACHE")
-  if cache:
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   main(sys.argv[1:])

@@ -23,6 +23,10 @@ import sys
 
 import pytest
 
+# One worker takes every test here, so the 16-device subprocess behind the
+# module's fixture runs once (`make test` runs xdist with --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("meshes")
+
 STRATEGIES = ["fsdp", "fsdp_grouped", "fsdp_grouped_split"]
 SCALAR = 64  # bytes: loss, norms, pass counts; may go anywhere
 
@@ -63,7 +67,6 @@ EXPECTED = {
 def result():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the worker sets its own (16 devices)
-  env.setdefault("GEMJAX_TEST_JAX_CACHE", "/tmp/gemjax-test-jax-cache")
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   proc = subprocess.run(
     [sys.executable, "-m", "tests.sharding.meshes_worker", *STRATEGIES],
