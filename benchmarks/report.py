@@ -66,7 +66,9 @@ in one stretch: five runs on 2026-12-01 (four before the D=128 pair swaps,
 one after) read D=128 forward+backward at 1.111-1.173x and three D=64 runs
 at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Two later D=64 log-normal
 runs that day (with `--breakdown`) read forward+backward at 1.258x and
-1.273x, the forward at 1.61x and 1.58x. Each table shows its last run.
+1.273x, the forward at 1.61x and 1.58x. The recorded D=128 run, the first
+with the sort-free pair swaps (2026-12-02), read forward+backward 1.154x
+and forward 1.448x. Each table shows its last run.
 """
 
 

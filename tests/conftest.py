@@ -1,10 +1,11 @@
 """Test setup, before JAX starts: 8 simulated CPU devices, and XLA's CPU
 backend without its LLVM optimizations: the suite's programs are tiny and
-their compile time is what it waits on (on the 2-core machine, 2026-12-02:
-the bit-identical resume test, three training runs, 150 s with them and
-105 s without; the block attention and ranking-model tests, `-n 2`, 169 s
-and 126 s). No persistent compilation cache: a cached collective
-program hung XLA:CPU once, and CI must never hang."""
+their compile time is what it waits on (on the 2-core machine, 2026-12-02,
+run one after the other: the bit-identical resume test, three training
+runs, 135 s with them and 100 / 98 s without; the block attention and
+ranking-model tests, `-n 2`, 169 s and 126 s). No persistent compilation
+cache: a cached collective program hung XLA:CPU once, and CI must never
+hang."""
 
 import os
 

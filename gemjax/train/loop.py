@@ -44,7 +44,6 @@ class Trainer:
   num_shards: int
   model_def: object
   tx: object
-  state_shardings: dict
   # The state's shapes, dtypes and placement (`jax.ShapeDtypeStruct`
   # leaves): the restore target, which initializes nothing.
   abstract_state: dict
@@ -76,7 +75,6 @@ class Trainer:
       num_shards,
       model_def,
       tx,
-      shardings,
       jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         state,
@@ -89,6 +87,10 @@ class Trainer:
     _, params = build(self.cfg, self.cfg.train.seed)
     state = _host_state(params, self.tx, self.cfg.train.seed)
     return jax.device_put(state, self.state_shardings)
+
+  @functools.cached_property
+  def state_shardings(self):
+    return jax.tree.map(lambda x: x.sharding, self.abstract_state)
 
   @functools.cached_property
   def _static(self):

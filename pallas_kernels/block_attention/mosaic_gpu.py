@@ -134,11 +134,12 @@ read about 1.7x the timed kernel, as in the jagged kernels' profiles)
 shows two fixed costs. A warpgroup's first item takes twice a later one
 (medians 17.5 against 8.6 us log-normal, 17.7 against 8.8 at
 all-2,048): every CTA asks for its first tiles at once, so the first
-math waits on the whole chip's first loads. And the last round is not
-cheaper: 1,130 items over 132 CTAs leave 74 with a ninth, whose median
-item runs 8.0 us against 8.6 overall although it has the bandwidth of
-fewer CTAs (a CTA's item is latency-bound once the chip is not
-saturated); CTAs with nine items end at 89.1 us, with eight at 81.5.
+math waits on the whole chip's first loads. And the tail is not
+cheaper: 1,130 items over 132 CTAs leave 74 with a ninth; the warpgroups'
+last items run 8.0 us (median) against 8.6 for all but the first,
+although fewer CTAs share the bandwidth by then (a CTA's item is
+latency-bound once the chip is not saturated); CTAs with nine items end
+at 89.1 us, with eight at 81.5.
 Both weigh more at log-normal lengths, whose CTAs walk about 9 items
 against 16. Fewer CTAs, to even out the deal, did not pay: 126 / 128 /
 120 persistent CTAs (126 deals the 565 tiles of a KV head evenly) ran
