@@ -21,10 +21,10 @@ their offsets, so XLA builds the work list (which depends on offsets
 only) once per call for all R (common subexpressions;
 tests/benchmarks/test_common.py checks it), as a model's layers share one
 per batch: the D64 log-normal
-forward+backward builds its lists in 39.5 us (24 small kernels) and one
-call of one set spans 0.960 ms in an H200 profile, against 0.9295 ms per
-set timed here; the K/V side tiles, which depend on the data, count in
-full.
+forward+backward (with dQ then added in f32) builds its lists in 39.5 us
+(24 small kernels) and one call of one set spans 0.960 ms in an H200
+profile, against 0.9295 ms per set timed here; the K/V side tiles, which
+depend on the data, count in full.
 
 Also timed: our forward kernel alone (work list and side tiles prebuilt)
 and the backward's dQ (with delta) and dK/dV kernels alone, to show where
@@ -331,9 +331,9 @@ def profile(case, ours, sets, extra, out):
 def breakdown(h, case, q_off, kv_off, sets, times, extra):
   """Kernel-only times of the head dim's default: the forward kernel with
   prebuilt work lists and side tiles, then the dQ and dK/dV kernels, or
-  the fused backward's delta and dK/dV+dQ kernels (the latter with its f32
-  dQ buffer's zero fill) and the fill and a scale-and-cast alone, and the
-  XLA pieces around them."""
+  the fused backward's delta and dK/dV+dQ kernels (the latter with its dQ
+  buffer's zero fill, and with an f32 buffer its scale-and-cast pass) and
+  the fill (and a cast) alone, and the XLA pieces around them."""
   bs = mg.BlockSizes.default(h)
   static = mg._Static(
     causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
@@ -394,9 +394,11 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static, p["side"][0]
     )
 
-  def t_fill(x, p):
+  def t_fill(x, p):  # the dQ buffer `backward_dkv_dq` allocates
     q = x[0]
-    return jnp.zeros((q.shape[0] + bs.block_q, *q.shape[1:]), jnp.float32)
+    if bs.dq_f32:
+      return jnp.zeros((q.shape[0] + bs.block_q, *q.shape[1:]), jnp.float32)
+    return jnp.zeros_like(q)
 
   def t_cast(x, p):
     return (x[0].astype(jnp.float32) * 0.125).astype(x[0].dtype)
@@ -416,8 +418,9 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       ("fused_delta_kernel", t_delta),
       ("fused_dkv_dq_kernel_with_zero_fill", t_fused),
       ("fused_dq_zero_fill", t_fill),
-      ("fused_dq_cast_like", t_cast),
     ]
+    if bs.dq_f32:
+      parts.append(("fused_dq_cast_like", t_cast))
   else:
     parts += [("dq_kernel_with_delta", t_dq), ("dkv_kernel", t_dkv)]
   parts.append(("fwd_schedule_and_side_tiles", t_sched))

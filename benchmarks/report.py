@@ -68,7 +68,11 @@ at 1.232-1.257x, the D=128 forward at 1.61-1.64x. Two later D=64 log-normal
 runs that day (with `--breakdown`) read forward+backward at 1.258x and
 1.273x, the forward at 1.61x and 1.58x. The recorded D=128 run, the first
 with the sort-free pair swaps (2026-12-02), read forward+backward 1.154x
-and forward 1.448x. Each table shows its last run.
+and forward 1.448x. All those D=64 runs added dQ in f32; since the fused
+backward adds it in the inputs' dtype (`BlockSizes.dq_f32`), the recorded
+D=64 run (2026-12-02) read log-normal forward+backward at 1.384x and a
+development run timed beside the f32 form 1.320x and 1.353x against
+1.234x and 1.253x. Each table shows its last run.
 """
 
 

@@ -99,9 +99,11 @@ group the forward/dQ CTAs take one head.
 The backward at head dim 64 (`BlockSizes.fused_bwd`) is a small delta
 kernel (`delta = rowsum(O * dO)`, tile-padded like `lse`) and one fused
 kernel: the dK/dV kernel also forms `dS K` for each (query tile, key tile)
-pair and adds it into an f32 dQ buffer with TMA reduce-add
-(FlashAttention-3's scheme), 5 matmul passes per tile pair; a
-scale-and-cast pass ends it. At head dim 128 (measured faster there), two
+pair, scales it and adds it in the inputs' dtype into the zero-filled dQ
+with TMA reduce-add, 5 matmul passes per tile pair (FlashAttention-3 adds
+into f32 and ends with a scale-and-cast pass, `BlockSizes.dq_f32`; see
+`default` for what each costs and `backward_dkv_dq` for the error). At
+head dim 128 (measured faster there), two
 kernels (dQ, which also forms delta; dK/dV) each recompute `S` and `P`: 7
 passes. In every backward step two wgmmas are in flight per wait
 (`BlockSizes.bwd_pipeline`): `S` and `dP` issued together with the exp
@@ -154,8 +156,12 @@ class BlockSizes:
   fwd_overlap: bool = False  # forward: tile i's Q K^T and tile i-1's P V
   # in flight together, the softmax under them (FlashAttention-3)
   fused_bwd: bool = True  # dQ inside the dK/dV kernel (`backward_dkv`)
-  dq_swizzle: bool = True  # fused: f32 dQ staging tiled + swizzled (plain
-  # memory: the wgmma-layout store hits one bank octet per 8 rows)
+  dq_swizzle: bool = True  # fused, dq_f32: f32 dQ staging tiled + swizzled
+  # (plain memory: the wgmma-layout store hits one bank octet per 8 rows)
+  dq_f32: bool = False  # fused: dQ accumulated in f32, then scaled and cast
+  # by a pass over it; False: in the input dtype, each tile scaled before
+  # its add, so the buffer is dQ (no cast pass, half the fill and the
+  # reduce-add bytes, one rounding per key tile; `backward_dkv_dq`)
   bwd_pipeline: bool = True  # backward: two wgmmas in flight per wait
   # (`_two_matmuls`, `mosaic.accumulate_many`)
   bwd_registers: int = 232  # backward consumers' registers (the producer
@@ -267,7 +273,19 @@ class BlockSizes:
     profiled). The same split in the backward's recomputed P (8 or 16
     columns) ran fwd+bwd 0.959-0.973 against 0.931 / 0.937 at D64 and
     1.576-1.588 against 1.535 / 1.556 at D128; dropped. No default took it,
-    so it was removed (session 23's commit 7c25085 has it, with its tests)."""
+    so it was removed (session 23's commit 7c25085 has it, with its tests).
+    The fused backward's dQ added in the inputs' dtype (`dq_f32=False`)
+    rather than in f32 then scaled and cast (2026-12-02, fwd+bwd timed in
+    alternation with cuDNN, two runs, ms a set): D64 log-normal 0.8888 /
+    0.8780 against 0.9507 / 0.9484 (1.320x / 1.353x cuDNN against 1.234x /
+    1.253x), all-2,048 2.286 / 2.296 against 2.419 / 2.416. Kernel parts
+    (`--breakdown`, log-normal): the fused kernel with its zero fill 601.7
+    us a set against 631 (the reduce-add moves half the bytes), fill 8.0 us
+    against 16, no cast pass (23 us). Relative errors against the f32
+    reference, dQ 0.0046 (log-normal) / 0.0056 (all-2,048) against 0.0024
+    with f32; cuDNN's own on the same inputs: dQ 0.0024, dK 0.0029, dV
+    0.0027. At D128 the fused backward in the inputs' dtype still loses to
+    the dQ kernel: 1.666 / 1.663 against 1.621 / 1.593."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(
@@ -1362,23 +1380,39 @@ DKV_WARPGROUPS = 2  # consumers of the dK/dV kernel, block_kv_dkv keys each
 
 def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
                     k_side):  # fmt: skip
-  """The fused backward (`backward_dkv` with `dq`): (f32 dQ, unscaled,
-  `[t + block_q, n, h]`; dK; dV). Allocates the f32 dQ buffer: one spare
-  tile of rows, since a query tile's window may run past `t`; in interpret
-  mode one slice per item and consumer warpgroup, summed here (the GPU
-  interpreter has no TMA reduce-add)."""
+  """The fused backward (`backward_dkv` with `dq`): (dQ `[t, n, h]` in the
+  inputs' dtype, dK, dV). Allocates the buffer the kernel reduce-adds dQ
+  into, zero-filled:
+
+  - `BlockSizes.dq_f32`: f32 `[t + block_q, n, h]` (one spare tile of rows,
+    since a query tile's window may run past `t`), unscaled; a pass after
+    the kernel scales it, casts it and drops the spare rows.
+  - otherwise: the inputs' dtype, `[t, n, h]`: each added tile is scaled
+    first, so the buffer is dQ (TMA drops the rows of a tile past `t`;
+    they would add zeros: those rows' `P` is 0). dQ then takes one bf16
+    (fp16) rounding per key tile of its sequence instead of one in all:
+    about `sqrt(tiles) x` the error of a single rounding (0.0017 relative
+    for one, 0.0037 for 9, 0.0048 for 16 tiles, simulated in numpy).
+
+  In interpret mode (the GPU interpreter has no TMA reduction) one slice
+  per item and consumer warpgroup, in the accumulation dtype, summed here.
+  """
   t, n, h = q_tnh.shape
-  shape = (t + static.block_sizes.block_q, n, h)
+  bs = static.block_sizes
+  acc_dtype = jnp.float32 if bs.dq_f32 else q_tnh.dtype
+  shape = (t + bs.block_q if bs.dq_f32 else t, n, h)
   if static.interpret is not None:
-    shape = (items.shape[0], DKV_WARPGROUPS, *shape)
-  dq = jax.new_ref(jnp.zeros(shape, jnp.float32))
+    shape = (items.shape[0], DKV_WARPGROUPS, t + bs.block_q, n, h)
+  dq = jax.new_ref(jnp.zeros(shape, acc_dtype))
   dk, dv = backward_dkv(
     q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static, k_side, dq
   )
   dq = dq[...]
   if static.interpret is not None:
-    dq = dq.sum(axis=(0, 1))
-  return dq, dk, dv
+    dq = dq.astype(jnp.float32).sum(axis=(0, 1))
+  if bs.dq_f32:
+    dq = dq * static.scale
+  return dq[:t].astype(q_tnh.dtype), dk, dv
 
 
 def backward_dkv(
@@ -1386,10 +1420,9 @@ def backward_dkv(
 ):
   """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
 
-  Fused (`dq`, an f32 `[t + 64, n, h]` ref of zeros, given; in interpret
-  mode `[i, 2, t + 64, n, h]`, one slice per item and consumer, summed by
-  the caller, as the GPU interpreter has no TMA reduction): the kernel also
-  forms `dQ = dS K` (unscaled) and adds it into `dq` with TMA reduce-add, so
+  Fused (`dq`, a ref of zeros given by `backward_dkv_dq`, which says its
+  forms): the kernel also forms `dQ = dS K` (in f32: unscaled) and adds it
+  into `dq` with TMA reduce-add, so
   no dQ kernel recomputes `S` and `dP` (5 matmul passes per tile pair
   instead of 7). Each step, both consumers write their `dS^T` (64 keys x 64
   queries, bf16) into a double-buffered shared tile and meet at a barrier;
@@ -1525,7 +1558,10 @@ def backward_dkv(
       def reduce_add(it, dq_part, rows, head, cols):
         stage = dq_stage.at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage[...] = dq_part
+        if bs.dq_f32:
+          stage[...] = dq_part
+        else:
+          stage[...] = (dq_part * static.scale).astype(dtype)
         plgpu.commit_smem()
         if static.interpret is None:
           plgpu.copy_smem_to_gmem(
@@ -1754,7 +1790,9 @@ def backward_dkv(
         transforms=(plgpu.TilingTransform((8, 32)), mosaic.SWIZZLE)
         if bs.dq_swizzle
         else (),
-      ),
+      )
+      if bs.dq_f32
+      else mosaic.smem_tile((wgs, bq, 64), dtype),
       plgpu.Barrier(num_arrivals=wgs),
       plgpu.Barrier(num_arrivals=wgs),
     ]

@@ -74,14 +74,13 @@ def _bwd(static, res, do):
     window=static.window,
   )
   if bs.fused_bwd:
-    # The delta kernel, then dQ, dK, dV in one kernel; dQ accumulated in f32
-    # by TMA reduce-add, then scaled and cast.
+    # The delta kernel, then dQ, dK, dV in one kernel (dQ by TMA
+    # reduce-add; `backward_dkv_dq` says in what dtype).
     items, k_side, _ = fwd_tables
     delta = mg.backward_delta(o, do, items, static)
     dq, dk, dv = mg.backward_dkv_dq(
       q, k, v, do, lse, delta, items_kv, static, k_side
     )
-    dq = (dq * static.scale).astype(q.dtype)
     return dq[:t_in], dk[:s_in], dv[:s_in], None, None
   items_q, k_side, v_side = fwd_tables
   dq, delta = mg.backward_dq(

@@ -130,7 +130,8 @@ def _check_self(seed, block_sizes, causal=True, window=None):
   [
     mg.BlockSizes(num_sms=1),
     mg.BlockSizes(num_sms=1, bwd_pipeline=False, bwd_registers=240),
-    mg.BlockSizes(dq_swizzle=False),
+    mg.BlockSizes(dq_f32=True),
+    mg.BlockSizes(dq_f32=True, dq_swizzle=False),
     mg.BlockSizes(
       fused_bwd=False, block_kv_dq=128, num_sms=1, fwd_overlap=True
     ),
@@ -141,7 +142,8 @@ def _check_self(seed, block_sizes, causal=True, window=None):
   ids=[
     "fused",
     "fused-serial",
-    "fused-plain",
+    "fused-f32",
+    "fused-f32-plain",
     "dq128-overlap",
     "dq64-per-item-serial",
   ],
@@ -149,8 +151,9 @@ def _check_self(seed, block_sizes, causal=True, window=None):
 def test_causal_self_attention_interpret(block_sizes):
   # Default: persistent forward (with one SM, one CTA walks every item: Q
   # prefetch, K/V ring and output stores run across item boundaries) and
-  # the fused backward (dQ by reduce-add from the dK/dV kernel; its f32
-  # staging swizzled or plain; dS halves exchanged between the consumers;
+  # the fused backward (dQ by reduce-add from the dK/dV kernel, in the
+  # inputs' dtype or in f32, then with its staging swizzled or plain; dS
+  # halves exchanged between the consumers;
   # by default two wgmmas per wait, dQ
   # queued behind dV and dK, or one at a time: "serial"). The unfused
   # backward's dQ kernel with 128-key steps reuses the forward's work list
@@ -561,19 +564,23 @@ def test_dispatch():
 # Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  "h,dtype,causal,cross,window",
+  "h,dtype,causal,cross,window,block_sizes",
   [
-    (64, jnp.bfloat16, False, False, None),
-    (128, jnp.bfloat16, True, False, None),
-    (128, jnp.float16, False, False, None),
-    (64, jnp.bfloat16, False, True, None),
-    (128, jnp.bfloat16, True, True, None),
-    (128, jnp.bfloat16, False, "cands", None),
-    (64, jnp.bfloat16, False, False, 64),
-    (128, jnp.bfloat16, True, False, 200),
+    (64, jnp.bfloat16, False, False, None, None),
+    (64, jnp.bfloat16, False, False, None, mg.BlockSizes(dq_f32=True)),
+    (64, jnp.float16, True, False, None, None),
+    (128, jnp.bfloat16, True, False, None, None),
+    (128, jnp.float16, False, False, None, None),
+    (64, jnp.bfloat16, False, True, None, None),
+    (128, jnp.bfloat16, True, True, None, None),
+    (128, jnp.bfloat16, False, "cands", None, None),
+    (64, jnp.bfloat16, False, False, 64, None),
+    (128, jnp.bfloat16, True, False, 200, None),
   ],
   ids=[
     "d64",
+    "d64-dq-f32",
+    "d64-causal-fp16",
     "d128-causal",
     "d128-fp16",
     "d64-cross",
@@ -583,7 +590,7 @@ def test_dispatch():
     "d128-causal-window200",
   ],
 )
-def test_gpu_matches_reference(h, dtype, causal, cross, window):
+def test_gpu_matches_reference(h, dtype, causal, cross, window, block_sizes):
   rng = np.random.default_rng(h + causal + 2 * bool(cross))
   b = 12
   q_lens = rng.integers(1, 1100, b)
@@ -606,4 +613,5 @@ def test_gpu_matches_reference(h, dtype, causal, cross, window):
     tail=37,
     seed=11,
     window=window,
+    block_sizes=block_sizes,
   )
