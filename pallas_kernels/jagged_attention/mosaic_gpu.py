@@ -1394,7 +1394,9 @@ def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
     they would add zeros: those rows' `P` is 0). dQ then takes one bf16
     (fp16) rounding per key tile of its sequence instead of one in all:
     about `sqrt(tiles) x` the error of a single rounding (0.0017 relative
-    for one, 0.0037 for 9, 0.0048 for 16 tiles, simulated in numpy).
+    for one, 0.0037 for 9, 0.0048 for 16 tiles, simulated in numpy). The
+    adds land in arrival order in either form, so dQ's last bits may
+    differ between runs; in this one more often.
 
   In interpret mode (the GPU interpreter has no TMA reduction) one slice
   per item and consumer warpgroup, in the accumulation dtype, summed here.
