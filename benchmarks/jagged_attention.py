@@ -332,8 +332,8 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
   """Kernel-only times of the head dim's default: the forward kernel with
   prebuilt work lists and side tiles, then the dQ and dK/dV kernels, or
   the fused backward's delta and dK/dV+dQ kernels (the latter with its dQ
-  buffer's zero fill, and with an f32 buffer its scale-and-cast pass) and
-  the fill (and a cast) alone, and the XLA pieces around them."""
+  buffer's zero fill) and the fill alone, and the XLA pieces around
+  them."""
   bs = mg.BlockSizes.default(h)
   static = mg._Static(
     causal=False, scale=h**-0.5, block_sizes=bs, interpret=INTERPRET
@@ -394,14 +394,8 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static, p["side"][0]
     )
 
-  def t_fill(x, p):  # the dQ buffer `backward_dkv_dq` allocates
-    q = x[0]
-    if bs.dq_f32:
-      return jnp.zeros((q.shape[0] + bs.block_q, *q.shape[1:]), jnp.float32)
-    return jnp.zeros_like(q)
-
-  def t_cast(x, p):
-    return (x[0].astype(jnp.float32) * 0.125).astype(x[0].dtype)
+  def t_fill(x, p):
+    return mg.dq_buffer(x[0], p["items_kv"].shape[0], static)
 
   def t_sched(x, p):
     q, k, v, _ = x
@@ -419,8 +413,6 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       ("fused_dkv_dq_kernel_with_zero_fill", t_fused),
       ("fused_dq_zero_fill", t_fill),
     ]
-    if bs.dq_f32:
-      parts.append(("fused_dq_cast_like", t_cast))
   else:
     parts += [("dq_kernel_with_delta", t_dq), ("dkv_kernel", t_dkv)]
   parts.append(("fwd_schedule_and_side_tiles", t_sched))

@@ -1380,11 +1380,8 @@ def backward_dq(
 DKV_WARPGROUPS = 2  # consumers of the dK/dV kernel, block_kv_dkv keys each
 
 
-def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
-                    k_side):  # fmt: skip
-  """The fused backward (`backward_dkv` with `dq`): (dQ `[t, n, h]` in the
-  inputs' dtype, dK, dV). Allocates the buffer the kernel reduce-adds dQ
-  into, zero-filled:
+def dq_buffer(q_tnh, num_items, static):
+  """The zero-filled buffer the fused backward reduce-adds dQ into:
 
   - `BlockSizes.dq_f32`: f32 `[t + block_q, n, h]` (one spare tile of rows,
     since a query tile's window may run past `t`), unscaled; a pass after
@@ -1398,25 +1395,33 @@ def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
     adds land in arrival order in either form, so dQ's last bits may
     differ between runs; in this one more often.
 
-  In interpret mode (the GPU interpreter has no TMA reduction) one slice
-  per item and consumer warpgroup, in the accumulation dtype, summed here.
+  In interpret mode (the GPU interpreter has no TMA reduction, and its
+  stores cannot drop rows) one slice per item and consumer warpgroup, in
+  the accumulation dtype, with the spare rows; `backward_dkv_dq` sums them.
   """
   t, n, h = q_tnh.shape
   bs = static.block_sizes
-  acc_dtype = jnp.float32 if bs.dq_f32 else q_tnh.dtype
-  shape = (t + bs.block_q if bs.dq_f32 else t, n, h)
+  spare = bs.dq_f32 or static.interpret is not None
+  shape = (t + bs.block_q if spare else t, n, h)
   if static.interpret is not None:
-    shape = (items.shape[0], DKV_WARPGROUPS, t + bs.block_q, n, h)
-  dq = jax.new_ref(jnp.zeros(shape, acc_dtype))
+    shape = (num_items, DKV_WARPGROUPS, *shape)
+  return jnp.zeros(shape, jnp.float32 if bs.dq_f32 else q_tnh.dtype)
+
+
+def backward_dkv_dq(q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static,
+                    k_side):  # fmt: skip
+  """The fused backward (`backward_dkv` with `dq`): (dQ `[t, n, h]` in the
+  inputs' dtype, dK, dV), through `dq_buffer`."""
+  dq = jax.new_ref(dq_buffer(q_tnh, items.shape[0], static))
   dk, dv = backward_dkv(
     q_tnh, k_skh, v_skh, do_tnh, lse, delta, items, static, k_side, dq
   )
   dq = dq[...]
   if static.interpret is not None:
     dq = dq.astype(jnp.float32).sum(axis=(0, 1))
-  if bs.dq_f32:
+  if static.block_sizes.dq_f32:
     dq = dq * static.scale
-  return dq[:t].astype(q_tnh.dtype), dk, dv
+  return dq[: q_tnh.shape[0]].astype(q_tnh.dtype), dk, dv
 
 
 def backward_dkv(
@@ -1424,8 +1429,8 @@ def backward_dkv(
 ):
   """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
 
-  Fused (`dq`, a ref of zeros given by `backward_dkv_dq`, which says its
-  forms): the kernel also forms `dQ = dS K` (in f32: unscaled) and adds it
+  Fused (`dq`, a ref of `dq_buffer`'s zeros, which says its forms): the
+  kernel also forms `dQ = dS K` (in f32: unscaled) and adds it
   into `dq` with TMA reduce-add, so
   no dQ kernel recomputes `S` and `dP` (5 matmul passes per tile pair
   instead of 7). Each step, both consumers write their `dS^T` (64 keys x 64
@@ -1786,17 +1791,15 @@ def backward_dkv(
   ]
   args = [items, dealt, counts, q_tnh, k_skh, v_skh, do_tnh, lse, delta]
   if fused:
+    dq_stage = mosaic.smem_tile((wgs, bq, 64), dtype)
+    if bs.dq_f32:
+      swizzled = (plgpu.TilingTransform((8, 32)), mosaic.SWIZZLE)
+      dq_stage = plgpu.SMEM(
+        (wgs, bq, 64), jnp.float32, transforms=swizzled if bs.dq_swizzle else ()
+      )
     scratch += [
       mosaic.smem_tile((2, wgs, bkv, bq), dtype),
-      plgpu.SMEM(
-        (wgs, bq, 64),
-        jnp.float32,
-        transforms=(plgpu.TilingTransform((8, 32)), mosaic.SWIZZLE)
-        if bs.dq_swizzle
-        else (),
-      )
-      if bs.dq_f32
-      else mosaic.smem_tile((wgs, bq, 64), dtype),
+      dq_stage,
       plgpu.Barrier(num_arrivals=wgs),
       plgpu.Barrier(num_arrivals=wgs),
     ]
