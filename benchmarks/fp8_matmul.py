@@ -570,6 +570,27 @@ def _sweep_configs():
     "64x128 wgN clusterM st3": B(
       wg_dimension=D.N, cluster_dimension=D.M, max_concurrent_steps=3
     ),
+    # Three compute warpgroups stacked along M (192 x 128 CTA tiles).
+    "64x128 3wgM gw8 mr24 (default)": B(
+      compute_wgs=3, grid_tile_width=8, memory_registers=24
+    ),
+    "64x128 3wgM gw8": B(compute_wgs=3, grid_tile_width=8),
+    "64x128 3wgM gw4 mr24": B(compute_wgs=3, memory_registers=24),
+    "64x128 3wgM gw16 mr24": B(
+      compute_wgs=3, grid_tile_width=16, memory_registers=24
+    ),
+    "64x128 3wgM clusterN gw8 mr24": B(
+      compute_wgs=3,
+      cluster_dimension=D.N,
+      grid_tile_width=8,
+      memory_registers=24,
+    ),
+    "64x128 3wgM clusterM gw8 mr24": B(
+      compute_wgs=3,
+      cluster_dimension=D.M,
+      grid_tile_width=8,
+      memory_registers=24,
+    ),
   }
   out = [("64x128 wgM st4 (unfolded)", 128, B(), False)]
   out += [(name, 128, bs, True) for name, bs in c128.items()]
@@ -582,17 +603,20 @@ def _sweep_configs():
 
 def sweep(b: Bench, only: str | None = None):
   """Tile configurations of the matmul kernel at 16384x4096x4096, each
-  checked against the reference, with cuBLAS bf16 and fp8 beside them."""
+  checked against the reference, then timed in alternation with each other
+  and with cuBLAS bf16 and fp8 (`common.time_interleaved`, 5 rounds)."""
   m, k, n = SHAPES[0]
   case = "sweep 16384x4096x4096"
   x, w, _ = _inputs(m, k, n, 0)
   flops = 2 * m * k * n
-  t = _time(jax.jit(jnp.dot), [(x, w)] * 2)
-  b.add(case, "xla bf16 (cuBLAS)", "TFLOP/s", flops / t / 1e12)
   x8, w8 = x.astype(F8), w.astype(F8)
-  f = jax.jit(lambda a, c: jnp.dot(a, c, preferred_element_type=BF16))
-  t = _time(f, [(x8, w8)] * 2)
-  b.add(case, "xla fp8 GEMM only (pre-cast)", "TFLOP/s", flops / t / 1e12)
+  runs = {
+    "xla bf16 (cuBLAS)": (jax.jit(jnp.dot), [(x, w)]),
+    "xla fp8 GEMM only (pre-cast)": (
+      jax.jit(lambda a, c: jnp.dot(a, c, preferred_element_type=BF16)),
+      [(x8, w8)],
+    ),
+  }
   ops = {}
   for kb, ablk, bblk in [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]:
     av, as_ = ref.quantize_reference(x, block=ablk)
@@ -619,10 +643,12 @@ def sweep(b: Bench, only: str | None = None):
         )
       )
       b.add(case, label, "err vs ref", _rel(f(*args), want))
-      t = _time(f, [args] * 2)
-      b.add(case, label, "TFLOP/s", flops / t / 1e12)
+      runs[label] = (f, [args])
 
     b.run(label, one)
+  times = common.time_interleaved(runs, rounds=5, skip_failures=True)
+  for label, t in times.items():
+    b.add(case, label, "TFLOP/s", flops / t / 1e12)
 
 
 def _ring(w, c=1, s=2, o=2, r=64):
@@ -717,6 +743,7 @@ def _save(records, out_dir):
     import pathlib
 
     path = pathlib.Path(out_dir) / f"{NAME}.partial.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
 
 

@@ -19,8 +19,23 @@ warpgroup then folds it into the running sum with its scales:
 That is the cost of block scaling on Hopper: for `kb = 32` one wgmma of
 `64 x 128 x 32` (~140 tensor-core cycles) is followed by 64 fp32 FMAs per
 thread; for `kb = 128` the same epilogue comes once per four times the MMA
-work. Two compute warpgroups take turns, so one's promotion overlaps the
-other's wgmma.
+work. The compute warpgroups (`compute_wgs`, two or three) take turns,
+so one's promotion overlaps the others' wgmmas.
+
+Three compute warpgroups (the default at `kb = 128`). With two, a
+warpgroup's promotion leaves only the other's wgmma on the tensor cores;
+with three, two can be queued. And a 192 x 128 CTA tile reads 320
+operand rows per k-step for 24,576 outputs instead of 16,384 at 64 x 256,
+a third fewer bytes per FLOP from L2. The registers allow it: the
+memory warpgroup keeps 24 (`memory_registers`), which leaves each
+compute warpgroup 160 for its 64 x 128 accumulator and block product
+(128 floats). On the H200 (2026-12-02, a development run, the kernel
+alone on quantized operands, configurations timed in alternation, 9
+rounds, medians), against the two-warpgroup 64 x 256 CTA tile in 2-CTA
+clusters that was the default before: 1152 against 961 TFLOP/s at
+16384 x 4096 x 4096, 1006 against 741 at 65536 x 512 x 2048, 1032
+against 895 at 65536 x 2048 x 512; cuBLAS's FP8 GEMM with one scale
+per tensor, in the same rounds, 1093 / 971 / 1091.
 
 With 128 x 128 weight blocks (`b_scale_uniform`) `sb[j]` is one number per
 warpgroup tile, so it is folded into the row scales first and the promotion
@@ -38,12 +53,17 @@ Structure (after JAX's `hopper_matmul_mgpu`): a persistent grid of one CTA
 per SM (or 2-CTA cluster per two SMs) walks the output tiles in a planar
 snake; in each CTA a memory
 warpgroup streams `a`, `b` and the two scale slices through a TMA pipeline of
-`max_concurrent_steps` stages, and two compute warpgroups each own a
-`tile_m x tile_n` accumulator in registers (the CTA tile is two of those
-side by side along `m` or `n`). The epilogue casts, stages in shared memory
+`max_concurrent_steps` stages, and `compute_wgs` compute warpgroups each
+own a `tile_m x tile_n` accumulator in registers (the CTA tile is those
+stacked along `m` or `n`). The epilogue casts, stages in shared memory
 and stores by TMA.
 
-Shapes must be multiples of the CTA tile and of `tile_k` (the wrapper pads).
+Shapes: `n` a multiple of the cluster tile and `k` of `tile_k` (the
+wrapper pads them); `m` any multiple of 8 that is at least one CTA tile:
+a last partial row tile overlaps the one before it (`row_start`), so
+192-row tiles need no padded copy of `a` or sliced copy of the output
+(at 16384 x 4096 x 4096 those copies cost more than the third
+warpgroup gained).
 
 Split-K (`splits`, `k_splits`): a product with too few output tiles to
 fill the chip, such as a weight gradient `[2048, 512]` over 65,536
@@ -105,7 +125,9 @@ class BlockSizes:
 
   The accumulator and the per-block products live in registers
   (`(1 + in_flight) * tile_m * tile_n / 128` floats per thread), which caps
-  `tile_m * tile_n` at 64 x 128.
+  `tile_m * tile_n` at 64 x 128. `compute_wgs` (2 or 3) warpgroups
+  compute, stacked along `wg_dimension`; the memory warpgroup keeps
+  `memory_registers` and the compute warpgroups share the rest.
 
   `tile_k = 2 * kb` puts two block products in flight per warpgroup: both
   wgmmas are issued, then block 0 is promoted while block 1 still runs on
@@ -125,11 +147,14 @@ class BlockSizes:
   epi_tile_m: int = 64
   epi_tile_n: int = 64
   cluster_dimension: Dim | None = None
+  compute_wgs: int = 2
+  memory_registers: int = 40
 
   def cta_tile(self) -> tuple[int, int]:
+    w = self.compute_wgs
     return (
-      self.tile_m * (1 + (self.wg_dimension == Dim.M)),
-      self.tile_n * (1 + (self.wg_dimension == Dim.N)),
+      self.tile_m * (w if self.wg_dimension == Dim.M else 1),
+      self.tile_n * (w if self.wg_dimension == Dim.N else 1),
     )
 
   def cluster_tile(self) -> tuple[int, int]:
@@ -142,23 +167,42 @@ class BlockSizes:
 
 # The configuration `op.py` uses, per scale block `kb` (H200 sweep at
 # 16384 x 4096 x 4096, `benchmarks/fp8_matmul.py --sweep-only`): for kb =
-# 128, warpgroups side by side along N (a 64 x 256 CTA tile) and two CTAs
-# along M sharing the weight tile by multicast: 1091 TFLOP/s against 1061
-# for 128 x 128 CTAs without a cluster (both with the folded weight scale;
-# 876 without it). For kb = 32 the cluster lost (372 vs 401): the
-# promotion, not L2, bounds it.
+# 128, three compute warpgroups stacked along M (a 192 x 128 CTA tile; see
+# the module docstring), no cluster (with three warpgroups 2-CTA clusters
+# measured no better), the grid walked in bands 8 tiles wide, the memory
+# warpgroup on 24 registers: 1211 TFLOP/s in the sweep of 2026-12-02
+# (timed in alternation), against 1168 with 40 registers, 1151 / 1144 in
+# bands 4 / 16 wide, 1085 / 1118 in clusters along N / M, 1015 for the
+# earlier default and 1071 for cuBLAS's per-tensor FP8 GEMM. For kb = 32
+# the cluster lost (372 vs 401): the promotion, not L2, bounds it.
 DEFAULT_BLOCK_SIZES = {
-  128: BlockSizes(wg_dimension=Dim.N, cluster_dimension=Dim.M),
+  128: BlockSizes(compute_wgs=3, grid_tile_width=8, memory_registers=24),
   64: BlockSizes(),
   32: BlockSizes(),
 }
 
+# Shared memory a CTA may take on Hopper (227 KiB).
+SMEM_BYTES = 227 * 1024
+
+
+def smem_bytes(bs: BlockSizes, kb: int, out_dtype) -> int:
+  """Shared memory of `scaled_matmul_mgpu`'s buffers (barriers aside): the
+  operand and scale ring, and the epilogue's staging slots."""
+  cm, cn = bs.cta_tile()
+  stage = (cm + cn) * bs.tile_k + (bs.tile_k // kb) * (cm + cn) * 4
+  slots = min(2, bs.tile_m * bs.tile_n // (bs.epi_tile_m * bs.epi_tile_n))
+  epi = bs.epi_tile_m * bs.epi_tile_n * jnp.dtype(out_dtype).itemsize
+  return bs.max_concurrent_steps * stage + bs.compute_wgs * slots * epi
+
 
 def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
+  """`DEFAULT_BLOCK_SIZES[kb]` with as many stages as fit beside the
+  epilogue buffers of `out_dtype` (f32 split-K partials take twice bf16's)."""
   bs = DEFAULT_BLOCK_SIZES.get(kb, BlockSizes())
-  if jnp.dtype(out_dtype).itemsize > 2 and bs.wg_dimension == Dim.N:
-    # A 64 x 256 CTA tile's f32 epilogue buffers leave room for 3 stages.
-    bs = dataclasses.replace(bs, max_concurrent_steps=3)
+  while smem_bytes(bs, kb, out_dtype) > SMEM_BYTES:
+    bs = dataclasses.replace(
+      bs, max_concurrent_steps=bs.max_concurrent_steps - 1
+    )
   return bs
 
 
@@ -176,7 +220,9 @@ def k_splits(
   `dW [2048, 512]` over 65,536 tokens has 64 CTA tiles for 132 SMs: two
   runs of 32,768."""
   clu_m, clu_n = bs.cluster_tile()
-  ctas = (m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
+  ctas = (
+    -(-m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
+  )
   steps, splits = k // bs.tile_k, 1
   num_sms = mosaic.num_sms(num_sms)
   while (
@@ -204,6 +250,15 @@ def _block_scale(ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
   )
 
 
+def row_start(m_idx, cta_m: int, m: int):
+  """First row of row tile `m_idx`: `m_idx * cta_m`, except that a tile
+  that would run past `m` (a multiple of 8, at least `cta_m`) ends at `m`
+  instead, overlapping the tile before it. Its overlapping rows are
+  computed twice, in the same order, and stored twice with the same
+  values; no operand is padded and nothing is sliced off the output."""
+  return pl.multiple_of(jnp.minimum(m_idx * cta_m, m - cta_m), 8)
+
+
 def _store_tile(acc, out_smem, out_gmem, bs: BlockSizes):
   """A warpgroup's `tile_m x tile_n` f32 accumulator to `out_gmem` (its
   tile's window) through `out_smem` (`[slots, epi_m, epi_n]`), by TMA."""
@@ -222,9 +277,9 @@ def _store_tile(acc, out_smem, out_gmem, bs: BlockSizes):
       plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[ms, ns])
 
 
-def _out_smem(bs: BlockSizes, out_dtype):
-  """Epilogue staging: two slots per compute warpgroup (one if a tile is a
-  single epilogue tile), swizzled for the TMA store."""
+def _out_smem(bs: BlockSizes, out_dtype, wgs: int = 2):
+  """Epilogue staging: two slots for each of `wgs` compute warpgroups (one
+  if a tile is a single epilogue tile), swizzled for the TMA store."""
   epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
   itemsize = jnp.dtype(out_dtype).itemsize
   swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
@@ -233,7 +288,9 @@ def _out_smem(bs: BlockSizes, out_dtype):
     plgpu.SwizzleTransform(swizzle),
   )
   slots = min(2, bs.tile_m * bs.tile_n // (epi_m * epi_n))
-  return plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=transforms)
+  return plgpu.SMEM(
+    (wgs, slots, epi_m, epi_n), out_dtype, transforms=transforms
+  )
 
 
 def _kernel(
@@ -258,7 +315,8 @@ def _kernel(
   clu_m, clu_n = bs.cluster_tile()
   # With `splits` > 1 the contraction is cut into that many runs, each an
   # output tile of its own (`out_gmem[split]`), summed by the caller.
-  m_iters, n_iters = m // clu_m, n // clu_n
+  # A last partial row tile overlaps the one before it (`row_start`).
+  m_iters, n_iters = -(-m // clu_m), n // clu_n
   k_iters = k // tile_k // splits
   # An 8-bit wgmma consumes k in groups of `swizzle` bytes; one k-block per
   # wgmma means swizzle == kb.
@@ -294,7 +352,7 @@ def _kernel(
     return plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(k_iters,),
-      memory_registers=40,
+      memory_registers=bs.memory_registers,
       in_specs=[
         plgpu.BlockSpec(
           (cta_m, tile_k),
@@ -312,7 +370,7 @@ def _kernel(
         plgpu.BlockSpec((subs, cta_n), lambda kk: (kk, 0)),
       ],
       wg_axis="wg",
-      num_compute_wgs=2,
+      num_compute_wgs=bs.compute_wgs,
       max_concurrent_steps=bs.max_concurrent_steps,
       compute_context=compute_context,
       pipeline_state=state,
@@ -325,7 +383,7 @@ def _kernel(
     pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
       a_gmem, b_gmem, sa_gmem, sb_gmem
     ),
-    out_smem=_out_smem(bs, out_dtype),
+    out_smem=_out_smem(bs, out_dtype, bs.compute_wgs),
     collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem):
@@ -346,7 +404,7 @@ def _kernel(
         m_idx = m_idx * 2 + cta_idx
       elif bs.cluster_dimension == Dim.N:
         n_idx = n_idx * 2 + cta_idx
-      cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
+      cta_m_slice = pl.ds(row_start(m_idx, cta_m, m), cta_m)
       cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
       if bs.wg_dimension == Dim.M:
         wg_m = pl.ds(wg_idx * tile_m, tile_m)
@@ -806,14 +864,17 @@ def scaled_matmul_mgpu(
   clu_m, clu_n = bs.cluster_tile()
   if (
     k != k2
-    or m % clu_m
+    or m % 8
+    or m < bs.cta_tile()[0]
     or n % clu_n
     or k % (bs.tile_k * splits)
     or bs.tile_k % kb
   ):
     raise ValueError(
       f"scaled_matmul_mgpu: a {a_mk.shape}, b {b_nk.shape} do not fit the"
-      f" tiles {clu_m}x{clu_n}x{bs.tile_k} (kb={kb}, {splits=})"
+      f" tiles {clu_m}x{clu_n}x{bs.tile_k} (kb={kb}, {splits=}): rows of a"
+      f" must be a multiple of 8 and at least {bs.cta_tile()[0]}, rows of b"
+      f" a multiple of {clu_n}, k of {bs.tile_k * splits}"
     )
   if kb not in (32, 64, 128):
     raise NotImplementedError(f"scale block along k must be 32/64/128: {kb}")
@@ -823,7 +884,7 @@ def scaled_matmul_mgpu(
   # no more programs than output tiles.
   csize = 1 + (bs.cluster_dimension is not None)
   num_sms = min(
-    mosaic.num_sms(num_sms) // csize, splits * (m // clu_m) * (n // clu_n)
+    mosaic.num_sms(num_sms) // csize, splits * -(-m // clu_m) * (n // clu_n)
   )
   kernel = functools.partial(
     _kernel,
@@ -844,7 +905,7 @@ def scaled_matmul_mgpu(
     out_type=out_type,
     grid=(num_sms,),
     grid_names=("sm",),
-    num_threads=3,
+    num_threads=bs.compute_wgs + 1,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup

@@ -61,8 +61,9 @@ from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
 
 # The default on Hopper: DeepSeek-style 1x128 / 128x128 blocks. Measured on the
-# H200 (`benchmarks/fp8_matmul.py --sweep-only`), its kernel runs at 1036-1091
-# TFLOP/s against ~400 for MXFP8's 32x32 blocks (Hopper has no block-scaled MMA,
+# H200 (`benchmarks/fp8_matmul.py --sweep-only`), its kernel ran at 1036-1091
+# TFLOP/s (1211 since it has three compute warpgroups, 2026-12-02) against ~400
+# for MXFP8's 32x32 blocks (Hopper has no block-scaled MMA,
 # so the scales are applied after every block of the contraction: 4x less often
 # with 128, and a 128x128 weight scale folds into the row scales), at the same
 # error (3.79% vs f32 on random data, both). MXFP8 (format="mxfp8") stays
@@ -264,14 +265,19 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     tile_k = kb
   else:
     bs = matmul_mgpu.default_block_sizes(kb, out_dtype)
-    (cta_m, cta_n), tile_k = bs.cluster_tile(), bs.tile_k
+    cta_n, tile_k = bs.cluster_tile()[1], bs.tile_k
   kp = _round_up(k, tile_k)
   # 128 x 128 weight blocks: one column scale per warpgroup tile and k-block.
   uniform = b_rows % bs.tile_n == 0
 
   def one(a_mk, sa_Jm, b_nk, sb_Jn):
     rows = a_mk.shape[0]
-    mp, np_ = _round_up(rows, cta_m), _round_up(n, cta_n)
+    if quantize_a:
+      mp = _round_up(rows, cta_m)
+    else:
+      # Any multiple of 8 rows, at least one tile (`matmul_mgpu.row_start`).
+      mp = max(_round_up(rows, 8), bs.cta_tile()[0])
+    np_ = _round_up(n, cta_n)
     jp = kp // kb
     # Zero padding (quantized to zeros with scale 2^-126) adds nothing.
     a = jnp.pad(a_mk, ((0, mp - rows), (0, kp - k)))

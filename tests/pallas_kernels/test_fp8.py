@@ -641,9 +641,9 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
     # program's tiles are chained (the next tile's fetches start early).
     (128, (1, 128), (128, 128), _B(max_concurrent_steps=2), 512),
     (32, (32, 32), (32, 32), _B(max_concurrent_steps=2), 256),
-    # op.py's default for this test's f32 output: 64 x 256 CTA tiles in
-    # 2-CTA clusters along M (multicast weights), weight scale folded into
-    # the row scales, 3 stages.
+    # op.py's default for this test's f32 output: 192 x 128 CTA tiles of
+    # three warpgroups, weight scale folded into the row scales, 3 stages;
+    # the 256 rows are one row tile and one overlapping it (`row_start`).
     (
       128,
       (1, 128),
@@ -651,6 +651,8 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
       matmul_mgpu.default_block_sizes(128, jnp.float32),
       384,  # chained: 3 steps per tile in a 3-stage ring
     ),
+    # Three warpgroups in 2-CTA clusters along N (multicast activations).
+    (128, (1, 128), (128, 128), _B(compute_wgs=3, cluster_dimension=_D.N), 256),
     # Two block products in flight per warpgroup.
     (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2), 256),
     (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N), 256),
@@ -711,11 +713,11 @@ def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
 
 
 def test_k_splits_fill_the_chip_with_long_runs():
-  bs = matmul_mgpu.default_block_sizes(128)  # 128 x 256 clusters of 2
-  # Weight gradients over 65,536 tokens: 64 CTAs -> two runs.
+  bs = matmul_mgpu.default_block_sizes(128)  # 192 x 128 CTA tiles
+  # Weight gradients over 65,536 tokens: 44 / 48 CTAs -> two runs.
   assert matmul_mgpu.k_splits(2048, 512, 65536, bs) == 2
   assert matmul_mgpu.k_splits(512, 2048, 65536, bs) == 2
-  # 16 CTAs over 65,536: four runs would leave 128 steps each, eight 64.
+  # 12 CTAs over 65,536: four runs would leave 128 steps each, eight 64.
   assert matmul_mgpu.k_splits(512, 512, 65536, bs) == 8
   # Enough tiles, or too short a contraction: none.
   assert matmul_mgpu.k_splits(4096, 4096, 16384, bs) == 1
@@ -913,6 +915,26 @@ def test_op_mosaic_interpret_equals_xla(n):
   for a, b in ((o1, o2), (dx1, dx2), (dw1, dw2)):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+def test_op_overlaps_the_last_row_tile_instead_of_padding(monkeypatch):
+  """200 rows are one 192-row tile and one overlapping it: the kernel
+  gets the rows as they are (no pad, no slice) and equals the reference."""
+  rows = _spy(
+    monkeypatch,
+    matmul_mgpu,
+    "scaled_matmul_mgpu",
+    lambda a, *_, **__: a.shape[0],
+  )
+  x = _data(jax.random.key(62), (200, 256), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(63), (256, 128), jnp.bfloat16, spread=1.0)
+  xq = fp8.quantize(x, axis=1).detach()
+  got, want = (
+    fp8.fp8_dot_general(xq, w, DN, implementation=impl)
+    for impl in ("mosaic", "xla")
+  )
+  assert rows == [200]
+  _close_bf16(got, want)
 
 
 def test_op_mosaic_interpret_under_vmap_and_grad():
