@@ -200,6 +200,8 @@ def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
   epilogue buffers of `out_dtype` (f32 split-K partials take twice bf16's)."""
   bs = DEFAULT_BLOCK_SIZES.get(kb, BlockSizes())
   while smem_bytes(bs, kb, out_dtype) > SMEM_BYTES:
+    if bs.max_concurrent_steps <= 2:
+      raise ValueError(f"{bs} with {out_dtype} outputs: no room for 2 stages")
     bs = dataclasses.replace(
       bs, max_concurrent_steps=bs.max_concurrent_steps - 1
     )
