@@ -499,6 +499,9 @@ class _Cfg:
   implementation: str | None
   grad_lhs: bool  # whether lhs / rhs carry a source to differentiate
   grad_rhs: bool
+  # The rhs contracts a dimension other than its last: `b` (contraction
+  # last) is a transpose of it, and so is its gradient.
+  b_transposed: bool = False
 
 
 def _hadamard_undo(x, cfg):
@@ -616,7 +619,14 @@ def _mm_bwd(cfg, res, g_mn):
         gt = impl.quantize_t(g_mn, None, None, grad_block, seed_hash)
         at = impl.quantize_t(a_v, a_s, cfg.a_block, grad_block, None)
         gt, at = (*gt, grad_block), (*at, grad_block)
-      db = impl.matmul(gt, at, _acc_dtype(cfg, cfg.b_dtype))
+      acc = _acc_dtype(cfg, cfg.b_dtype)
+      if cfg.b_transposed:
+        # The product in the rhs's own layout, `a^T g`: the move back
+        # from `b`'s cancels this transpose, where `g^T a` would have left
+        # a pass over dW to XLA.
+        db = impl.matmul(at, gt, acc).T
+      else:
+        db = impl.matmul(gt, at, acc)
       db = _hadamard_undo(db, cfg)
     else:
       # BF16 from the lhs the caller passed (in its own basis: no Hadamard
@@ -806,6 +816,7 @@ def _dot_unbatched(
     implementation=implementation,
     grad_lhs=lhs.source is not None,
     grad_rhs=rhs.source is not None,
+    b_transposed=rhs.axis != len(rhs.shape) - 1,
   )
   a_v, a_s, a_src = _as_matrix(lhs)
   b_v, b_s, b_src = _as_matrix(rhs)

@@ -405,6 +405,29 @@ def test_prequantized_weight_routes_its_gradient_to_the_source():
   np.testing.assert_array_equal(pull(g)[0], dx1)
 
 
+@pytest.mark.parametrize("impl", ["xla", "mosaic"])
+def test_fp8_weight_gradient_in_either_rhs_layout(impl):
+  """The FP8 weight gradient of `w [k, n]` (contracted first: computed as
+  `x^T g` and transposed, which the layout change cancels) and of `w^T
+  [n, k]` (contracted last: `g^T x`) are transposes of each other."""
+  x = _data(jax.random.key(64), (256, 128), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(65), (128, 128), jnp.bfloat16, spread=1.0)
+  g = _data(jax.random.key(66), (256, 128), jnp.bfloat16, spread=1.0)
+  kw = dict(grad_rhs_fp8=True, implementation=impl)
+  dw_kn = _grads(
+    functools.partial(fp8.fp8_dot_general, dimension_numbers=DN, **kw), x, w, g
+  )[1][1]
+  dn_t = (((1,), (1,)), ((), ()))
+  dw_nk = _grads(
+    functools.partial(fp8.fp8_dot_general, dimension_numbers=dn_t, **kw),
+    x,
+    w.T,
+    g,
+  )[1][1]
+  assert dw_kn.shape == w.shape and dw_nk.shape == w.T.shape
+  _close_bf16(dw_nk.T, dw_kn)
+
+
 def test_dot_general_dimension_numbers_match_lax():
   rng = jax.random.split(jax.random.key(23), 6)
   cases = [
