@@ -21,6 +21,8 @@ XLA fp8 on inputs already in fp8 (the GEMM alone, an upper bound; for the
 backward, `_bwd_bound`: cuBLAS fp8 for dX, and for dW too or not). Also the
 kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
+`--qgemm-sweep`: the GEMM that quantizes bf16 x itself, per configuration
+(clusters multicasting the weight tiles), against quantize pass + GEMM.
 
 Timing: a measurement is `common.device_time` over back-to-back calls (inputs
 rotated between two sets), so launch gaps overlap: since 2026-12-01 the
@@ -661,6 +663,84 @@ def sweep(b: Bench, only: str | None = None):
     b.add(case, label, "TFLOP/s", flops / t / 1e12)
 
 
+def _qgemm_configs():
+  """(name, QuantizingBlockSizes) of the quantizing GEMM's sweep."""
+  Q, D = matmul_mgpu.QuantizingBlockSizes, matmul_mgpu.Dim
+  return [
+    ("quantizing (default)", Q()),
+    ("quantizing clusterM", Q(cluster_m=2)),
+    ("quantizing clusterM gw8", Q(cluster_m=2, grid_tile_width=8)),
+    ("quantizing clusterM gw2", Q(cluster_m=2, grid_tile_width=2)),
+    ("quantizing clusterM minorM", Q(cluster_m=2, grid_minor_dim=D.M)),
+    ("quantizing clusterM4", Q(cluster_m=4)),
+    ("quantizing clusterM4 gw8", Q(cluster_m=4, grid_tile_width=8)),
+    (
+      "quantizing clusterM stA1 stB4",
+      Q(cluster_m=2, stages_a=1, stages_b=4),
+    ),
+  ]
+
+
+QGEMM_SHAPES = [(65536, 2048, 512), (65536, 512, 2048), (65536, 2048, 1024)]
+
+
+def qgemm_sweep(b: Bench, only: str | None = None):
+  """The GEMM that quantizes bf16 `a` itself (`quantizing_matmul_mgpu`),
+  per configuration, against the op's quantize pass + GEMM on the same
+  operands and cuBLAS bf16, all timed in alternation
+  (`common.time_interleaved`, 5 rounds); each configuration's output is
+  first compared with the quantize-first result, which it must equal bit
+  for bit."""
+  for m, k, n in QGEMM_SHAPES:
+    _qgemm_shape(b, m, k, n, only)
+
+
+def _qgemm_shape(b: Bench, m, k, n, only):
+  case = f"qgemm sweep {m}x{k}x{n}"
+  x, w, _ = _inputs(m, k, n, 0)
+  wq = fp8.quantize(w, axis=0, kind="weight").detach()
+  bv, bs_ = ref.quantize_reference(w.T, block=(128, 128))
+  sb = jnp.repeat(bs_.T, 128, axis=1)[:, :n]
+  first = jax.jit(
+    lambda x, wq: fp8.fp8_dot_general(fp8.quantize(x, axis=1).detach(), wq, DN)
+  )
+  want = np.asarray(first(x, wq), np.float32)
+  runs = {
+    "xla bf16 (cuBLAS)": (jax.jit(jnp.dot), [(x, w)]),
+    "quantize pass + GEMM": (first, [(x, wq)]),
+  }
+  for name, bs in _qgemm_configs():
+    if only and not any(p in name for p in only.split(",")):
+      continue
+
+    def one(bs=bs, name=name):
+      f = jax.jit(
+        functools.partial(
+          matmul_mgpu.quantizing_matmul_mgpu,
+          block_sizes=bs,
+          b_scale_uniform=True,
+        )
+      )
+      got = np.asarray(f(x, bv, sb), np.float32)
+      diff = float(np.abs(got - want).max())
+      b.add(case, name, "max |diff| vs quantize-first", diff)
+      runs[name] = (f, [(x, bv, sb)])
+
+    b.run(f"{case} {name}", one)
+  times = common.time_interleaved(runs, rounds=5, skip_failures=True)
+  base = times.get("xla bf16 (cuBLAS)")
+  flops = 2 * m * k * n
+  for label, t in times.items():
+    b.add(
+      case,
+      label,
+      "TFLOP/s",
+      flops / t / 1e12,
+      baseline="xla bf16 (cuBLAS)",
+      baseline_value=flops / base / 1e12,
+    )
+
+
 def _ring(w, c=1, s=2, o=2, r=64):
   kw = dict(warpgroups=w, ctas_per_sm=c, stages=s, out_slots=o, tile_r=r)
   return f"ring wg{w} cta{c} st{s} out{o} rows{r}", kw
@@ -789,6 +869,11 @@ def main(argv=None):
     help="only the matmul tile sweep and the quantize kernel sweep",
   )
   p.add_argument(
+    "--qgemm-sweep",
+    action="store_true",
+    help="only the quantizing GEMM's sweep (--sweep-filter applies)",
+  )
+  p.add_argument(
     "--quant-sweep",
     action="store_true",
     help="only the quantize kernel sweep (--sweep-filter applies)",
@@ -807,6 +892,9 @@ def main(argv=None):
   if args.tiny:
     shapes = [(256, 256, 256)]
   t0 = time.perf_counter()
+  if args.qgemm_sweep:
+    shapes = []
+    qgemm_sweep(b, args.sweep_filter)
   if args.sweep_only or args.quant_sweep:
     shapes = []
     quant_sweep(b, copy_bw, args.sweep_filter)
@@ -833,6 +921,7 @@ def main(argv=None):
     not args.no_sweep
     and not args.sweep_only
     and not args.quant_sweep
+    and not args.qgemm_sweep
     and time.perf_counter() - t0 < args.max_seconds
   ):
     sweep(b, args.sweep_filter)

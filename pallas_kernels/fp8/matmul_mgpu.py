@@ -86,7 +86,15 @@ at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
 + GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
 quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles
 and the hand-off cost too). Its results equal `scaled_matmul_mgpu`'s on
-the quantized `a` bit for bit. `op.py` uses it for products with at most
+the quantized `a` bit for bit. Each 64 x 256 x 128 step reads its `a`
+tile (bf16, 16 KiB) and weight tile (32 KiB) from L2, 48 KiB for 4.2
+MFLOP; the session-7 GEMM on quantized `a` read 40 KiB (8 + 32) for the
+same step, and 0.19 against 0.16 ms is about that ratio, so we take L2
+bandwidth to bound it (an inference, not measured). `cluster_m` stacks 2
+or 4 CTAs along M that multicast the weight tile, 32 / 24 KiB a step per
+CTA; `benchmarks/fp8_matmul.py --qgemm-sweep` times it against the
+default, which stays without a cluster until that sweep has run on the
+H200. `op.py` uses the kernel for products with at most
 512 output columns and a 16-bit output whose quantized `a` nothing else
 reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
 """
@@ -527,6 +535,18 @@ class QuantizingBlockSizes:
   # than two compute warpgroups multiply (0.33 vs 0.24 ms at 65536 x 2048
   # x 512 on the H200).
   quantizers: int = 2
+  # CTAs stacked along M in a cluster (1, 2 or 4): they TMA-multicast the
+  # weight tile they share, so each reads 1 / cluster_m of it from L2
+  # (see "Quantizing `a` in the kernel"; not yet timed on the H200).
+  cluster_m: int = 1
+
+  def __post_init__(self):
+    if self.cluster_m not in (1, 2, 4):
+      raise ValueError(f"cluster_m={self.cluster_m}: 1, 2 or 4")
+
+  def cta_rows(self) -> int:
+    """Rows of `a` per cluster (per CTA without one)."""
+    return self.tile_m * self.cluster_m
 
 
 def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
@@ -544,7 +564,12 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
     _out_smem(bs, out_dtype),
     plgpu.Barrier(num_barriers=nq * bs.stages_a),  # a_full: 1 copy
     plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_full
-    plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_free
+    # b_free: both compute warpgroups (of both CTAs when multicast).
+    plgpu.ClusterBarrier(
+      collective_axes=("cluster",), num_arrivals=2, num_barriers=bs.stages_b
+    )
+    if bs.cluster_m > 1
+    else plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),
     plgpu.Barrier(num_barriers=2 * nq),  # q_full: a quantizer
     plgpu.Barrier(num_arrivals=2, num_barriers=2 * nq),  # q_free: both
   ]
@@ -558,7 +583,7 @@ def quantizing_fits(
   does not)."""
   buffers = [
     r for r in _quantizing_scratch(block_sizes, out_dtype)
-    if not isinstance(r, plgpu.Barrier)
+    if not isinstance(r, (plgpu.Barrier, plgpu.ClusterBarrier))
   ]  # fmt: skip
   nbytes = sum(
     math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in buffers
@@ -600,20 +625,25 @@ def _quantizing_kernel(
   kb = 128
   tile_m, tile_n = bs.tile_m, bs.tile_n
   cta_n = 2 * tile_n
-  m_iters, n_iters, k_iters = m // tile_m, n // cta_n, k // kb
-  pid = lax.axis_index("sm")
+  m_iters, n_iters, k_iters = m // bs.cta_rows(), n // cta_n, k // kb
+  pid = lax.axis_index("sm")  # the cluster's (the CTA's without one)
   wg = lax.axis_index("wg")
+  clustered = bs.cluster_m > 1
+  cta_idx = lax.axis_index("cluster") if clustered else 0
+  share_b = ("cluster",) if clustered else None
   # This CTA's output tiles: pid, pid + P, ... (at least one: P <= tiles).
   my_tiles = (m_iters * n_iters - 1 - pid) // num_programs + 1
   steps = my_tiles * k_iters  # (tile, k-block) steps, in order
 
   def tile_coords(t):
-    return plgpu.planar_snake(
+    """This CTA's row tile and column tile of its `t`-th tile."""
+    m_idx, n_idx = plgpu.planar_snake(
       pid + t * num_programs,
       (m_iters, n_iters),
       bs.grid_minor_dim,
       bs.grid_tile_width,
     )
+    return m_idx * bs.cluster_m + cta_idx, n_idx
 
   # Quantizer `qi` takes steps `qi, qi + nq, ...` (its local steps j):
   # their `a` tiles in its own ring of `stages_a` slots, their weight tiles
@@ -640,7 +670,10 @@ def _quantizing_kernel(
     kk = s % k_iters
     cols = pl.ds(n_idx * cta_n, cta_n)
     plgpu.copy_gmem_to_smem(
-      b_gmem.at[cols, pl.ds(kk * kb, kb)], b_ring.at[slot], b_full.at[slot]
+      b_gmem.at[cols, pl.ds(kk * kb, kb)],
+      b_ring.at[slot],
+      b_full.at[slot],
+      collective_axes=share_b,
     )
     plgpu.copy_gmem_to_smem(
       sb_gmem.at[kk, cols], sb_ring.at[slot], b_full.at[slot]
@@ -773,7 +806,7 @@ def quantizing_matmul_mgpu(
   n, k2 = b_nk.shape
   bs = block_sizes
   kb = 128
-  cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
+  cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
   if a_mk.dtype != jnp.bfloat16:
     raise TypeError(f"quantizing_matmul_mgpu: a must be bf16, got {a_mk.dtype}")
   if not interpret and not quantizing_fits(out_dtype, bs):
@@ -799,8 +832,14 @@ def quantizing_matmul_mgpu(
       f"registers {bs.registers}: the compute warpgroups' increase would wait"
       " forever for registers the quantizers' decrease does not free"
     )
-  # A persistent grid: no more programs than output tiles.
-  num_sms = min(mosaic.num_sms(num_sms), (m // cta_m) * (n // cta_n))
+  # A persistent grid of clusters (of CTAs without them): no more
+  # programs than output tiles.
+  num_sms = min(
+    mosaic.num_sms(num_sms) // bs.cluster_m, (m // cta_m) * (n // cta_n)
+  )
+  cluster = {}
+  if bs.cluster_m > 1:
+    cluster = dict(cluster=(bs.cluster_m,), cluster_names=("cluster",))
   scratch = _quantizing_scratch(bs, out_dtype)
   kernel = functools.partial(
     _quantizing_kernel,
@@ -822,6 +861,7 @@ def quantizing_matmul_mgpu(
     interpret=(
       plgpu.InterpretGPUParams() if interpret is True else interpret or None
     ),
+    **cluster,
   )(a_mk, b_nk.astype(jnp.float8_e4m3fn), sb_Jn.astype(jnp.float32))
 
 

@@ -261,7 +261,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
   quantized in the kernel. Batched by folding into rows of `a`."""
   if quantize_a:
     bs = matmul_mgpu.QuantizingBlockSizes()
-    cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
+    cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
     tile_k = kb
   else:
     bs = matmul_mgpu.default_block_sizes(kb, out_dtype)

@@ -198,12 +198,15 @@ def test_fp8_matmul_split_k(m, n):
   _fp8_matmul_lowers(m, k, n, kb, bs, splits)
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2, 4])
 @pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("m,k,n", [(65536, 2048, 512), (16384, 4096, 4096)])
-def test_fp8_quantizing_matmul(m, k, n, uniform):
-  """`a` quantized in the GEMM (two quantizer warpgroups, setmaxnreg)."""
+def test_fp8_quantizing_matmul(m, k, n, uniform, cluster_m):
+  """`a` quantized in the GEMM (two quantizer warpgroups, setmaxnreg),
+  alone or in clusters multicasting the weight tiles."""
+  bs = matmul_mgpu.QuantizingBlockSizes(cluster_m=cluster_m)
   f = lambda a, b, sb: matmul_mgpu.quantizing_matmul_mgpu(
-    a, b, sb, b_scale_uniform=uniform, interpret=False
+    a, b, sb, block_sizes=bs, b_scale_uniform=uniform, interpret=False
   )
   _lowers_for_cuda(
     f,

@@ -777,14 +777,20 @@ _QB = matmul_mgpu.QuantizingBlockSizes
 @pytest.mark.parametrize(
   "m,k,n,num_sms,bs,uniform",
   [
-    # The default: two quantizers taking the steps in turn; two programs,
+    # Two quantizers taking the steps in turn, no cluster; two programs,
     # two output tiles each, three k-steps per tile.
     (128, 384, 512, 2, _QB(), True),
     # One quantizer, 3-deep weight ring, weight scales per column; one
     # program walks all three tiles.
-    (192, 640, 256, 1, _QB(quantizers=1, stages_b=3), False),
+    (192, 640, 256, 1, _QB(quantizers=1, stages_b=3, cluster_m=1), False),
     # One bf16 tile in flight per quantizer, fewer steps than ring slots.
-    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4), True),
+    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4, cluster_m=1), True),
+    # CTAs in clusters along M multicasting the weight tiles: one cluster
+    # of two walks two 128 x 256 tiles; two clusters of two, one tile
+    # each, with weight scales per column; one cluster of four.
+    (128, 384, 512, 2, _QB(cluster_m=2), True),
+    (256, 256, 256, 4, _QB(cluster_m=2), False),
+    (256, 256, 512, 4, _QB(cluster_m=4), True),
   ],
 )
 def test_quantizing_matmul_interpret_equals_reference(
@@ -830,9 +836,11 @@ def test_quantizing_matmul_refuses_what_does_not_fit():
     matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, out_dtype=jnp.float32)
 
 
-def test_quantizing_matmul_is_race_free():
-  """The quantizers' hand-offs under the interpreter's race detector."""
-  a = _data(jax.random.key(43), (128, 384), jnp.bfloat16)
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_quantizing_matmul_is_race_free(cluster_m):
+  """The quantizers' hand-offs (and the multicast weight ring's releases
+  across a cluster) under the interpreter's race detector."""
+  a = _data(jax.random.key(43), (128 * cluster_m, 384), jnp.bfloat16)
   bv, bs_ = ref.quantize_reference(
     _data(jax.random.key(44), (512, 384)), block=(128, 128)
   )
@@ -844,7 +852,8 @@ def test_quantizing_matmul_is_race_free():
         bv,
         jnp.repeat(bs_.T, 128, axis=1),
         interpret=plgpu.InterpretGPUParams(detect_races=True),
-        num_sms=2,
+        num_sms=2 * cluster_m,
+        block_sizes=_QB(cluster_m=cluster_m),
         b_scale_uniform=True,
       )
     )
