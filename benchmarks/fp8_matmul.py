@@ -674,10 +674,6 @@ def _qgemm_configs():
     ("quantizing clusterM minorM", Q(cluster_m=2, grid_minor_dim=D.M)),
     ("quantizing clusterM4", Q(cluster_m=4)),
     ("quantizing clusterM4 gw8", Q(cluster_m=4, grid_tile_width=8)),
-    (
-      "quantizing clusterM stA1 stB4",
-      Q(cluster_m=2, stages_a=1, stages_b=4),
-    ),
   ]
 
 

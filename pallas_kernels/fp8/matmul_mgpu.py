@@ -86,15 +86,16 @@ at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
 + GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
 quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles
 and the hand-off cost too). Its results equal `scaled_matmul_mgpu`'s on
-the quantized `a` bit for bit. Each 64 x 256 x 128 step reads its `a`
-tile (bf16, 16 KiB) and weight tile (32 KiB) from L2, 48 KiB for 4.2
-MFLOP; the session-7 GEMM on quantized `a` read 40 KiB (8 + 32) for the
-same step, and 0.19 against 0.16 ms is about that ratio, so we take L2
-bandwidth to bound it (an inference, not measured). `cluster_m` stacks 2
-or 4 CTAs along M that multicast the weight tile, 32 / 24 KiB a step per
-CTA; `benchmarks/fp8_matmul.py --qgemm-sweep` times it against the
-default, which stays without a cluster until that sweep has run on the
-H200. `op.py` uses the kernel for products with at most
+the quantized `a` bit for bit. L2 bandwidth does not bound it: clusters
+of CTAs along M that TMA-multicast the weight tile (`cluster_m`), which
+cut a CTA's L2 reads per 64 x 256 x 128 step from 48 to 32 KiB, measured
+no faster (H200, `benchmarks/fp8_matmul.py --qgemm-sweep`, 2026-12-03,
+timed in alternation, 5 rounds): 624.8 / 608.6 TFLOP/s without / with
+2-CTA clusters at 65536 x 2048 x 512, 584.9 / 604.9 at 65536 x 512 x
+2048, 653.3 / 613.1 at 65536 x 2048 x 1024, and clusters of 4 about 330
+at all three; so the default has none. In those rounds quantize pass +
+GEMM ran 608.2 / 807.6 / 837.3 and cuBLAS bf16 731.6 / 744.8 / 788.2.
+`op.py` uses the kernel for products with at most
 512 output columns and a 16-bit output whose quantized `a` nothing else
 reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
 """
@@ -536,8 +537,8 @@ class QuantizingBlockSizes:
   # x 512 on the H200).
   quantizers: int = 2
   # CTAs stacked along M in a cluster (1, 2 or 4): they TMA-multicast the
-  # weight tile they share, so each reads 1 / cluster_m of it from L2
-  # (see "Quantizing `a` in the kernel"; not yet timed on the H200).
+  # weight tile they share, so each reads 1 / cluster_m of it from L2; no
+  # faster on the H200 (see "Quantizing `a` in the kernel").
   cluster_m: int = 1
 
   def __post_init__(self):
