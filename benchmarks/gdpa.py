@@ -380,7 +380,7 @@ def run_acts(ctx, records, labels):
 BS = mg.BlockSizes
 FB = ("fwd", "fwdbwd")
 F, FWB = ("fwd",), ("fwdbwd",)
-KV128 = BS(block_kv=128, full_store=False)  # 256 keys stay resident
+KV4 = BS(block_kv=64, kv_stages=4, full_store=False)  # 256 keys resident
 # (case, label, ours' keyword arguments, kinds), in the order they matter
 # (the phase stops at its time budget); a case's "default" comes first.
 VARIANTS = [
@@ -392,9 +392,11 @@ VARIANTS = [
   ("cross64", "default", {}, FB),
   ("cross64", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
   ("cross64", "poly", {"tanh": "poly"}, F),
-  ("cross256", "kv128 plain", {"bs": KV128}, F),
+  ("cross256", "kv64", {"bs": BS(block_kv=64)}, F),
+  ("cross256", "kv64 stages4 plain", {"bs": KV4}, F),
   ("cross256", "poly_unchecked", {"tanh": "poly_unchecked"}, F),
-  ("cross256", "dq kernel", {"bs": BS(dq_from_ds=False)}, FWB),
+  ("cross256", "dq kernel", {"bs": BS(dq_from_ds=False)}, FB),
+  ("cross256", "dq kernel q1", {"bs": BS(dq_from_ds=False, q_stages=1)}, FB),
   ("cross64", "ds", {"bs": BS(dq_from_ds=True)}, FWB),
   ("cross16", "ds", {"bs": BS(dq_from_ds=True)}, FWB),
   ("cross256", "dkv2", {"bs": BS(dkv_split=2)}, FWB),
@@ -412,6 +414,7 @@ VARIANTS = [
   ("cross64", "plan (XLA)", None, F),
   ("cross64", "q3", {"bs": BS(q_stages=3)}, F),
   ("cross64", "kv32", {"bs": BS(block_kv=32)}, F),
+  ("cross64", "plain", {"bs": BS(full_store=False)}, F),
   ("pooled", "split2", {"bs": BS(kv_split=2)}, F),
   ("pooled", "split4", {"bs": BS(kv_split=4)}, F),
   ("pooled", "dkv2", {"bs": BS(dkv_split=2)}, FWB),

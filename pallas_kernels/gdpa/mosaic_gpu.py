@@ -45,7 +45,8 @@ CTAs (one per query tile) mostly wait on their own loads. So:
 4. Narrow key tiles for short keys. The activation runs on every score
    of a `64 x block_kv` tile, zero-filled keys included; with 16 keys a
    64-row key tile would quadruple that ALU work (and its loads of zero
-   rows). `block_kv` (16, 32 or 64) follows the caller's `max_len_kv`.
+   rows). `block_kv` (16, 32, 64, or 128 for 65-256 keys in the forward)
+   follows the caller's `max_len_kv` (`kv_block`).
 5. Split-K for few query tiles over long keys (pooled attention: one query
    tile per 2K history cannot keep 132 SMs busy). With no softmax, the
    output is a plain sum over key tiles, so each query tile's keys are cut
@@ -431,14 +432,31 @@ def v_tile(shape, dtype, block_kv):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def kv_block(max_len_kv: int | None) -> int:
+# Forward key tiles of 128 rows for keys up to this long (`kv_block`).
+WIDE_KV_MAX = 256
+
+
+def kv_block(max_len_kv: int | None, dq: bool = False) -> int:
   """Key rows per step when the caller leaves `block_kv` open: the
   activation runs on every score of a `64 x block_kv` tile, so short keys
-  (cross-attention over 16-32 candidates' keys) get narrow tiles."""
+  (cross-attention over 16-32 candidates' keys) get narrow tiles.
+
+  Keys of 65 to `WIDE_KV_MAX` rows get 128-row tiles in the forward: with
+  two K/V stages a sequence of up to ~250 keys stays resident, and each
+  step's two wgmmas are twice as long (half the waits between them and
+  the activation). H200, B=32 x 2,048 queries over 256 keys, forward,
+  same process (2026-12-03, `benchmarks/gdpa.py --phases main,variants`):
+  0.1516 ms with 128-row tiles against 0.1706 ms with 64 (streamed
+  through 2 stages), 0.1586 with 64 in 4 resident stages. The dQ kernel
+  keeps 64 (not measured wider; by default dQ comes from `dS^T` there).
+  Longer keys (pooled histories) keep the 64-row steps it was tuned with.
+  """
   if max_len_kv is not None:
     for rows in (16, 32):
       if max_len_kv <= rows:
         return rows
+    if not dq and 64 < max_len_kv <= WIDE_KV_MAX:
+      return 128
   return 64
 
 
@@ -547,15 +565,22 @@ def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
   """(query heads per CTA, Q ring depth, swizzled full-tile store). Two
   heads per CTA share every K/V tile (when the group is even); then the
   deepest Q ring that fits shared memory, at most `q_stages` (or
-  `MAX_Q_STAGES`), with the full-tile buffer when asked for and the output
-  is 16-bit."""
+  `MAX_Q_STAGES`), with the full-tile buffer when asked for, the output
+  is 16-bit, and it leaves at least two stages: one stage would leave no
+  Q load in flight during a tile. (H200, 256 keys in 128-row tiles,
+  forward 0.1627 ms with the buffer and one stage against 0.1516 with
+  two and none, same process, 2026-12-03.)"""
   group = n // kh
-  full = bs.full_store and out_bytes == 2
+  top = bs.q_stages or MAX_Q_STAGES
+  layouts = [(False, 1)]
+  if bs.full_store and out_bytes == 2:
+    layouts.insert(0, (True, min(2, top)))  # (full store, fewest stages)
   for hpc in (2, 1) if group % 2 == 0 else (1,):
-    for qs in range(bs.q_stages or MAX_Q_STAGES, 0, -1):
-      smem = _query_smem(hpc, qs, h, bs, dq, out_bytes, full)
-      if smem <= mosaic.SMEM_PER_BLOCK:
-        return hpc, qs, full
+    for full, least in layouts:
+      for qs in range(top, least - 1, -1):
+        smem = _query_smem(hpc, qs, h, bs, dq, out_bytes, full)
+        if smem <= mosaic.SMEM_PER_BLOCK:
+          return hpc, qs, full
   raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
 
 

@@ -27,8 +27,11 @@ TANH_MODES = ("poly", "poly_unchecked", "exact")
 def _query_side(static, q, k, v, do, q_off, kv_off):
   """Forward (`do is None`) or dQ on row-padded buffers."""
   bs = static.block_sizes
-  if do is not None and bs.block_kv < 64:  # see `mg.query_kernel`
-    bs = dataclasses.replace(bs, block_kv=64)
+  bkv = bs.block_kv or mg.kv_block(static.max_len_kv, dq=do is not None)
+  if do is not None:
+    bkv = max(bkv, 64)  # see `mg.query_kernel`
+  if bkv != bs.block_kv:
+    bs = dataclasses.replace(bs, block_kv=bkv)
     static = dataclasses.replace(static, block_sizes=bs)
   items, sched = jmg.query_items(
     q_off,
@@ -151,8 +154,8 @@ def gdpa_mosaic(
   `tanh`: `"exact"` (default), `"poly"` (polynomial on its valid range,
   exact tanh outside) or `"poly_unchecked"` (polynomial only: the caller
   guarantees the range); only `activation="gelu_tanh"` uses it.
-  `max_len_kv` also picks the key tile when `block_sizes.block_kv` is None
-  (`mosaic_gpu.kv_block`); `max_len_q` below 64 folds heads into rows
+  `max_len_kv` also picks the key tiles when `block_sizes.block_kv` is
+  None (`mosaic_gpu.kv_block`); `max_len_q` below 64 folds heads into rows
   (`schedule.fold_factor`). `interpret=None`
   compiles on a GPU and runs GPU interpret mode elsewhere; `False` always
   compiles (cross-lowering checks).
@@ -174,8 +177,6 @@ def gdpa_mosaic(
   elif interpret is False:
     interpret = None
   bs = block_sizes or BlockSizes()
-  if bs.block_kv is None:
-    bs = dataclasses.replace(bs, block_kv=mg.kv_block(max_len_kv))
   static = mg._Static(
     activation=activation,
     normalize=normalize,

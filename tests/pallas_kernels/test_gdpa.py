@@ -125,6 +125,51 @@ def test_cross_attention_gelu_interpret():
   )
 
 
+@pytest.mark.parametrize("dq_from_ds", [True, False])
+def test_cross_attention_wide_key_tiles_interpret(monkeypatch, dq_from_ds):
+  # Keys of 65-256 rows: the forward takes 128-row key tiles by default
+  # (`kv_block`); seq 0's 200 keys (two tiles, resident in the 2-stage
+  # ring) start off the 8-row grid, seq 2's 129 keys end one row into
+  # their second tile, and lengths 0 and 1 sit beside them. The dQ kernel
+  # (when dQ is not read back from dS^T) keeps 64-row tiles.
+  seen = []
+  kernel = mg.query_kernel
+
+  def spy(q, k, v, k_side, v_side, do, items, num_real, static):
+    seen.append(static.block_sizes.block_kv)
+    return kernel(q, k, v, k_side, v_side, do, items, num_real, static)
+
+  monkeypatch.setattr(mg, "query_kernel", spy)
+  _check_case(
+    [70, 3, 9, 1, 0],
+    [200, 1, 129, 0, 65],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=3,
+    seed=6,
+    activation="gelu_tanh",
+    block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=dq_from_ds),
+  )
+  assert seen == ([128] if dq_from_ds else [128, 64])
+
+
+def test_key_tile_and_query_layout_choice():
+  assert [mg.kv_block(n) for n in (None, 1, 16, 17, 32, 64, 65, 256)] == [
+    64, 16, 16, 32, 32, 64, 128, 128,
+  ]  # fmt: skip
+  assert mg.kv_block(257) == 64 and mg.kv_block(256, dq=True) == 64
+  bs = mg.BlockSizes
+  # Head dim 128, two heads per CTA: 64-row key tiles leave room for the
+  # swizzled full-tile buffer and 3 Q stages; 128-row tiles would leave it
+  # one stage, so they drop the buffer for two (unless asked for one).
+  assert mg.query_layout(8, 2, 128, bs(block_kv=64), False) == (2, 3, True)
+  assert mg.query_layout(8, 2, 128, bs(block_kv=128), False) == (2, 2, False)
+  one = bs(block_kv=128, q_stages=1)
+  assert mg.query_layout(8, 2, 128, one, False) == (2, 1, True)
+
+
 @pytest.mark.parametrize(
   "block_sizes", [RECOMPUTE_DQ, SPLIT], ids=["streamed", "split_keys"]
 )
