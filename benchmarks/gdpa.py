@@ -392,6 +392,7 @@ VARIANTS = [
   ("cross64", "default", {}, FB),
   ("cross64", "dkv1", {"bs": BS(dkv_split=1)}, FWB),
   ("cross64", "poly", {"tanh": "poly"}, F),
+  ("cross256", "plain", {"bs": BS(full_store=False)}, F),
   ("cross256", "kv64", {"bs": BS(block_kv=64)}, F),
   ("cross256", "kv64 stages4 plain", {"bs": KV4}, F),
   ("cross256", "poly_unchecked", {"tanh": "poly_unchecked"}, F),

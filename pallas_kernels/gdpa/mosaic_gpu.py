@@ -392,7 +392,12 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
 # --------------------------------------------------------------------------
 # Forward and dQ: persistent CTAs over query tiles.
 
-MAX_Q_STAGES = 4  # Q ring depth chosen when `q_stages` is None
+# Q ring depth chosen when `q_stages` is None. (A fourth stage, which fits
+# beside 64-row key tiles since the output buffers share memory, measured
+# no faster: H200, 2,048 queries over 16 / 64 keys, forward 0.0817 /
+# 0.0872 ms with 4 stages in the benchmark's main phase, 0.0786 / 0.0837
+# with 3 in its variants phase, same process, 2026-12-03.)
+MAX_Q_STAGES = 3
 MAX_KV_SPLIT = 3  # most key parts chosen when `kv_split` is None
 MAX_DKV_SPLIT = 4  # most query parts chosen when `dkv_split` is None
 DKV_ROWS = 128  # key rows per dK/dV CTA (two warpgroups of 64)
@@ -447,8 +452,10 @@ def kv_block(max_len_kv: int | None, dq: bool = False) -> int:
   the activation). H200, B=32 x 2,048 queries over 256 keys, forward,
   same process (2026-12-03, `benchmarks/gdpa.py --phases main,variants`):
   0.1516 ms with 128-row tiles against 0.1706 ms with 64 (streamed
-  through 2 stages), 0.1586 with 64 in 4 resident stages. The dQ kernel
-  keeps 64 (not measured wider; by default dQ comes from `dS^T` there).
+  through 2 stages), 0.1586 with 64 in 4 resident stages; in a second
+  run, with the output buffers sharing memory (`_out_buffers`), 0.1549
+  with 128-row tiles against 0.1660 with 64. The dQ kernel keeps 64 (not
+  measured wider; by default dQ comes from `dS^T` there).
   Longer keys (pooled histories) keep the 64-row steps it was tuned with.
   """
   if max_len_kv is not None:
@@ -549,38 +556,55 @@ def _table_row(wt_ref, w, j, cols):
   return tuple(wt_ref[w, jj, c] for c in cols)
 
 
-def _out_smem(hpc, h, bs, out_bytes, full):
-  """Output staging of a query-side kernel (plain, plus the swizzled
-  whole-tile buffer when `full`) and 1 KiB for its barriers."""
-  return hpc * bs.block_q * h * (out_bytes + (2 if full else 0)) + 1024
+def _out_smem(hpc, h, bs, out_bytes):
+  """Output staging of a query-side kernel (`_out_buffers`) and 1 KiB for
+  its barriers."""
+  return hpc * bs.block_q * h * out_bytes + 1024
 
 
-def _query_smem(hpc, q_stages, h, bs, dq, out_bytes, full):
+def _out_buffers(hpc, bq, h, out_dtype, full):
+  """Output staging of a query-side kernel: a plain buffer (partial tiles,
+  `mosaic.ladder_store`) and, when `full`, a swizzled view of the same
+  memory for whole tiles (`plgpu.RefUnion`: a tile uses one or the other,
+  and `_store_query_tile` waits for the previous tile's stores to have
+  read it). Sharing the memory is what lets 128-row key tiles keep two
+  Q stages with the swizzled store at head dim 128. H200, 256 keys,
+  2026-12-03: forward 0.1549 ms against 0.1578 with the plain buffer
+  alone (same process; in an earlier run, separate buffers and one Q
+  stage 0.1627 against plain 0.1516); the dQ kernel (dQ not from `dS^T`)
+  gets two (Q, dO) stages instead of one: fwd+bwd less fwd 0.545 against
+  0.554 ms (same process)."""
+  plain = plgpu.SMEM((hpc, bq, h), out_dtype)
+  if not full:
+    return plain
+  return plgpu.RefUnion(plain, mosaic.smem_tile((hpc, bq, h), out_dtype))
+
+
+def _unpack_out(ref, full):
+  """(plain, swizzled or None) views of `_out_buffers`'s scratch."""
+  return ref if full else (ref, None)
+
+
+def _query_smem(hpc, q_stages, h, bs, dq, out_bytes):
   q_ring = q_stages * hpc * bs.block_q * h * 2 * (2 if dq else 1)
   kv_ring = bs.kv_stages * bs.block_kv * h * 2 * 2
-  return q_ring + kv_ring + _out_smem(hpc, h, bs, out_bytes, full)
+  return q_ring + kv_ring + _out_smem(hpc, h, bs, out_bytes)
 
 
 def query_layout(n, kh, h, bs, dq: bool, out_bytes: int = 2):
   """(query heads per CTA, Q ring depth, swizzled full-tile store). Two
   heads per CTA share every K/V tile (when the group is even); then the
   deepest Q ring that fits shared memory, at most `q_stages` (or
-  `MAX_Q_STAGES`), with the full-tile buffer when asked for, the output
-  is 16-bit, and it leaves at least two stages: one stage would leave no
-  Q load in flight during a tile. (H200, 256 keys in 128-row tiles,
-  forward 0.1627 ms with the buffer and one stage against 0.1516 with
-  two and none, same process, 2026-12-03.)"""
+  `MAX_Q_STAGES`), and the swizzled whole-tile store when asked for and
+  the output is 16-bit (it shares the plain buffer's memory,
+  `_out_buffers`)."""
   group = n // kh
-  top = bs.q_stages or MAX_Q_STAGES
-  layouts = [(False, 1)]
-  if bs.full_store and out_bytes == 2:
-    layouts.insert(0, (True, min(2, top)))  # (full store, fewest stages)
+  full = bs.full_store and out_bytes == 2
   for hpc in (2, 1) if group % 2 == 0 else (1,):
-    for full, least in layouts:
-      for qs in range(top, least - 1, -1):
-        smem = _query_smem(hpc, qs, h, bs, dq, out_bytes, full)
-        if smem <= mosaic.SMEM_PER_BLOCK:
-          return hpc, qs, full
+    for qs in range(bs.q_stages or MAX_Q_STAGES, 0, -1):
+      smem = _query_smem(hpc, qs, h, bs, dq, out_bytes)
+      if smem <= mosaic.SMEM_PER_BLOCK:
+        return hpc, qs, full
   raise ValueError(f"head dim {h} with {bs} does not fit shared memory")
 
 
@@ -654,9 +678,9 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
     else:
       do_ref, out_ref = None, refs[7]
       scratch = (refs[8], None, *refs[9:])
-    (q_smem, do_smem, k_smem, v_smem, o_smem) = scratch[:5]
+    (q_smem, do_smem, k_smem, v_smem, out_bufs) = scratch[:5]
     (q_bar, kv_bar, q_free, kv_free) = scratch[5:9]
-    of_smem = scratch[9] if full else None
+    o_smem, of_smem = _unpack_out(out_bufs, full)
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -821,12 +845,11 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
     *([tile((qs, hpc, bq, h), dtype)] if is_dq else []),
     tile((mcs, bkv, h), dtype),
     v_tile((mcs, bkv, h), dtype, bkv),
-    plgpu.SMEM((hpc, bq, h), out_dtype),
+    _out_buffers(hpc, bq, h, out_dtype, full),
     plgpu.Barrier(num_arrivals=hpc * (2 if is_dq else 1), num_barriers=qs),
     plgpu.Barrier(num_arrivals=2, num_barriers=mcs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=qs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
-    *([tile((hpc, bq, h), dtype)] if full else []),
   ]
   args = [wt, counts, q, k, v, k_side, v_side]
   if is_dq:
@@ -1086,13 +1109,13 @@ def backward_dkv(
 # dQ from the dK/dV kernel's dS^T tiles (short keys).
 
 
-def _ds_ring(bs, hpc: int, h: int, out_bytes: int, full: bool) -> int:
+def _ds_ring(bs, hpc: int, h: int, out_bytes: int) -> int:
   """Ring depth of `dq_from_ds`: `kv_stages + 2` slots of (K tile, `hpc`
   `dS^T` tiles), fewer (down to 2) where they would not fit beside the
   output buffers (`_out_smem`, as `query_layout` counts). Raises if even 2
   do not fit."""
   slot = (DS_ROWS * h + hpc * DS_ROWS * bs.block_q) * 2
-  out = _out_smem(hpc, h, bs, out_bytes, full)
+  out = _out_smem(hpc, h, bs, out_bytes)
   for mcs in range(bs.kv_stages + 2, 1, -1):
     if mcs * slot + out <= mosaic.SMEM_PER_BLOCK:
       return mcs
@@ -1136,14 +1159,14 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   out_dtype = jnp.float32 if parts > 1 else dtype
   hpc = 2 if group % 2 == 0 else 1
   full = bs.full_store and out_dtype == dtype
-  mcs = _ds_ring(bs, hpc, h, jnp.dtype(out_dtype).itemsize, full)
+  mcs = _ds_ring(bs, hpc, h, jnp.dtype(out_dtype).itemsize)
   workers, wt, counts = _deal_query_table(
     items, num_real, parts, n // hpc, bs, 0
   )
 
   def kernel(wt_ref, count_ref, k_ref, ks_ref, ds_ref, out_ref, *scratch):
-    (k_smem, ds_smem, o_smem, kv_bar, kv_free) = scratch[:5]
-    of_smem = scratch[5] if full else None
+    (k_smem, ds_smem, out_bufs, kv_bar, kv_free) = scratch[:5]
+    o_smem, of_smem = _unpack_out(out_bufs, full)
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -1228,10 +1251,9 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
   scratch = [
     tile((mcs, bkv, h), dtype),
     tile((mcs, hpc, bkv, bq), dtype),
-    plgpu.SMEM((hpc, bq, h), out_dtype),
+    _out_buffers(hpc, bq, h, out_dtype, full),
     plgpu.Barrier(num_arrivals=1 + hpc, num_barriers=mcs),
     plgpu.Barrier(num_arrivals=hpc, num_barriers=mcs),
-    *([tile((hpc, bq, h), dtype)] if full else []),
   ]
   return _run_query_side(
     kernel,

@@ -161,13 +161,17 @@ def test_key_tile_and_query_layout_choice():
   ]  # fmt: skip
   assert mg.kv_block(257) == 64 and mg.kv_block(256, dq=True) == 64
   bs = mg.BlockSizes
-  # Head dim 128, two heads per CTA: 64-row key tiles leave room for the
-  # swizzled full-tile buffer and 3 Q stages; 128-row tiles would leave it
-  # one stage, so they drop the buffer for two (unless asked for one).
-  assert mg.query_layout(8, 2, 128, bs(block_kv=64), False) == (2, 3, True)
-  assert mg.query_layout(8, 2, 128, bs(block_kv=128), False) == (2, 2, False)
-  one = bs(block_kv=128, q_stages=1)
-  assert mg.query_layout(8, 2, 128, one, False) == (2, 1, True)
+  # Head dim 128, two heads per CTA: the deepest Q ring (up to 3) beside the K/V
+  # ring (2 stages of 64 or 128 keys) and the output buffer, whose
+  # swizzled whole-tile view shares its memory; f32 partials (4-byte
+  # output) and dQ's (Q, dO) pairs take more room, and f32 goes plain.
+  layout = mg.query_layout
+  assert layout(8, 2, 128, bs(block_kv=64), False) == (2, 3, True)
+  assert layout(8, 2, 128, bs(block_kv=128), False) == (2, 2, True)
+  assert layout(8, 2, 128, bs(block_kv=64), False, 4) == (2, 3, False)
+  assert layout(8, 2, 128, bs(block_kv=64), True) == (2, 2, True)
+  assert layout(8, 2, 128, bs(block_kv=64, q_stages=1), False) == (2, 1, True)
+  assert layout(3, 1, 128, bs(block_kv=64), False) == (1, 3, True)
 
 
 @pytest.mark.parametrize(
