@@ -165,11 +165,14 @@ class BlockSizes:
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
   dq_from_ds: bool | None = None  # dQ from stored dS^T (`use_dq_from_ds`)
+  dq_fused: bool = False  # dQ added by the dK/dV kernel (`backward_dkv_dq`)
   fold_heads: bool = True  # short query sides: heads into rows (op.py)
   num_sms: int | None = None  # persistent CTAs = about this many (None:
   # the GPU's SMs, `mosaic.num_sms`)
 
   def __post_init__(self):
+    if self.dq_fused and self.dq_from_ds:
+      raise ValueError("dq_fused and dq_from_ds: one dQ path at a time")
     if self.block_q != 64:
       raise ValueError(f"block_q={self.block_q} must be 64 (one warpgroup)")
     kv = self.block_kv
@@ -372,6 +375,35 @@ def use_dq_from_ds(bs, max_len_kv: int | None) -> bool:
   return tiles is not None and lo <= tiles <= hi
 
 
+def backward_dkv_dq(q, k, v, do, q_side, do_side, items, static, parts=1):
+  """(dQ, dK, dV), the dK/dV kernel also adding `dQ = dS K` (`dq_fused`):
+  neither a dQ kernel recomputing `X`, `dP` and `a'(X)` nor a round trip
+  of `dS^T` through memory. Each step both consumer warpgroups put their
+  scaled `dS^T` (64 keys x 64 queries) in a double-buffered shared tile
+  and meet; each then forms 64 of dQ's columns over the tile's 128 keys
+  and adds them into dQ with TMA reduce-add, in the inputs' dtype: a dQ
+  element takes one rounded add per 128-key tile of its sequence (and
+  split part, `dkv_parts`), and adds land in arrival order, so its last
+  bits may differ between runs. The GPU interpreter has no TMA
+  reduction: there each item stores into a slice of its own (with spare
+  rows: its stores cannot drop the rows past the end), summed here."""
+  t, n, h = q.shape
+  interp = static.interpret is not None
+  shape = (
+    (items.shape[0], t + static.block_sizes.block_q, n, h)
+    if interp
+    else q.shape
+  )
+  dq = jax.new_ref(jnp.zeros(shape, q.dtype))
+  dk, dv = backward_dkv(
+    q, k, v, do, q_side, do_side, items, static, parts, dq=dq
+  )
+  dq = dq[...]
+  if interp:
+    dq = dq.astype(jnp.float32).sum(axis=0)[:t].astype(q.dtype)
+  return dq, dk, dv
+
+
 def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
   """Query parts per dK/dV key tile (split over the query stream). One CTA
   per (128-row key tile, KV head) leaves SMs idle when keys are short
@@ -441,7 +473,9 @@ def v_tile(shape, dtype, block_kv):
 WIDE_KV_MAX = 256
 
 
-def kv_block(max_len_kv: int | None, dq: bool = False) -> int:
+def kv_block(
+  max_len_kv: int | None, dq: bool = False, kv_stages: int = 2
+) -> int:
   """Key rows per step when the caller leaves `block_kv` open: the
   activation runs on every score of a `64 x block_kv` tile, so short keys
   (cross-attention over 16-32 candidates' keys) get narrow tiles.
@@ -455,14 +489,17 @@ def kv_block(max_len_kv: int | None, dq: bool = False) -> int:
   through 2 stages), 0.1586 with 64 in 4 resident stages; in a second
   run, with the output buffers sharing memory (`_out_buffers`), 0.1549
   with 128-row tiles against 0.1660 with 64. The dQ kernel keeps 64 (not
-  measured wider; by default dQ comes from `dS^T` there).
-  Longer keys (pooled histories) keep the 64-row steps it was tuned with.
+  measured wider; by default dQ comes from `dS^T` there), and so does a
+  K/V ring of more than two stages (the caller's deeper ring of 64-row
+  tiles takes the same shared memory). Longer keys (pooled histories)
+  keep the 64-row steps they were tuned with.
   """
   if max_len_kv is not None:
     for rows in (16, 32):
       if max_len_kv <= rows:
         return rows
-    if not dq and 64 < max_len_kv <= WIDE_KV_MAX:
+    wide = not dq and kv_stages * 128 <= WIDE_KV_MAX
+    if wide and 64 < max_len_kv <= WIDE_KV_MAX:
       return 128
   return 64
 
@@ -563,26 +600,42 @@ def _out_smem(hpc, h, bs, out_bytes):
 
 
 def _out_buffers(hpc, bq, h, out_dtype, full):
-  """Output staging of a query-side kernel: a plain buffer (partial tiles,
-  `mosaic.ladder_store`) and, when `full`, a swizzled view of the same
-  memory for whole tiles (`plgpu.RefUnion`: a tile uses one or the other,
-  and `_store_query_tile` waits for the previous tile's stores to have
-  read it). Sharing the memory is what lets 128-row key tiles keep two
+  """Output staging of a query-side kernel: a plain buffer per consumer
+  warpgroup (partial tiles, `mosaic.ladder_store`) and, when `full`, a
+  swizzled view of the same memory for whole tiles: one `plgpu.RefUnion`
+  per warpgroup (a tile uses one view or the other, and
+  `_store_query_tile` waits for the previous tile's stores to have read
+  it; the views of a union alias as a whole, so one union for both
+  warpgroups would make each one's stores race with the other's).
+  Sharing the memory is what lets 128-row key tiles keep two
   Q stages with the swizzled store at head dim 128. H200, 256 keys,
   2026-12-03: forward 0.1549 ms against 0.1578 with the plain buffer
   alone (same process; in an earlier run, separate buffers and one Q
   stage 0.1627 against plain 0.1516); the dQ kernel (dQ not from `dS^T`)
   gets two (Q, dO) stages instead of one: fwd+bwd less fwd 0.545 against
   0.554 ms (same process)."""
-  plain = plgpu.SMEM((hpc, bq, h), out_dtype)
   if not full:
-    return plain
-  return plgpu.RefUnion(plain, mosaic.smem_tile((hpc, bq, h), out_dtype))
+    return plgpu.SMEM((hpc, bq, h), out_dtype)
+  return [
+    plgpu.RefUnion(
+      plgpu.SMEM((bq, h), out_dtype), mosaic.smem_tile((bq, h), out_dtype)
+    )
+    for _ in range(hpc)
+  ]
 
 
-def _unpack_out(ref, full):
-  """(plain, swizzled or None) views of `_out_buffers`'s scratch."""
-  return ref if full else (ref, None)
+def _store_own_tile(out_bufs, full, wg, hpc, acc, out_ref, *args):
+  """`_store_query_tile(acc, out_ref, plain, swizzled, *args)` with
+  consumer warpgroup `wg`'s buffers of `_out_buffers`."""
+  if not full:
+    _store_query_tile(acc, out_ref, out_bufs.at[wg], None, *args)
+    return
+  for g in range(hpc):
+
+    @pl.when(wg == g)
+    def _(g=g):
+      plain, swizzled = out_bufs[g]
+      _store_query_tile(acc, out_ref, plain, swizzled, *args)
 
 
 def _query_smem(hpc, q_stages, h, bs, dq, out_bytes):
@@ -680,7 +733,6 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
       scratch = (refs[8], None, *refs[9:])
     (q_smem, do_smem, k_smem, v_smem, out_bufs) = scratch[:5]
     (q_bar, kv_bar, q_free, kv_free) = scratch[5:9]
-    o_smem, of_smem = _unpack_out(out_bufs, full)
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -773,8 +825,8 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           mosaic.release(q_free.at[slot])
 
         part = cur[W_PART] if parts > 1 else None
-        _store_query_tile(
-          acc, out_ref, o_smem.at[wg], of_smem.at[wg] if full else None,
+        _store_own_tile(
+          out_bufs, full, wg, hpc, acc, out_ref,
           head, q_row, lo, hi, part, bq, out_dtype,
         )  # fmt: skip
         return (jnp.where(reuse, loads, loads + steps), *nxt)
@@ -888,8 +940,9 @@ def _run_query_side(
 
 
 def backward_dkv(
-  q, k, v, do, q_side, do_side, items, static, parts=1, ds_tiles=None
-):
+  q, k, v, do, q_side, do_side, items, static, parts=1, ds_tiles=None,
+  dq=None,
+):  # fmt: skip
   """(dK, dV) `[s, k, h]`, reduced over each KV head's query-head group.
 
   `items`: `key_items(..., parts=parts)`; with `parts > 1` each item adds
@@ -900,6 +953,9 @@ def backward_dkv(
   scaled `dS^T` tile (`[n, key tiles, query tiles, 64, 64]`, key tile
   index in the sequence's 64-row grid, query tile by its id in the query
   schedule, i.e. `items` built with `q_tile_start`), for `dq_from_ds`.
+
+  `dq` (a ref of `dq_buffer`'s zeros; `backward_dkv_dq`): also add `dQ =
+  dS K` into it (`dq_fused`, see there).
 
   The four wgmmas of a step run one after the other. (Tried, H200,
   2026-11-30, B=32 x 2,048 queries over 256 keys, backward alone: `X^T`
@@ -919,6 +975,9 @@ def backward_dkv(
   name, tanh, scale = static.activation, static.tanh, static.scale
   hstu = static.normalize == "hstu"
   with_ds = ds_tiles is not None
+  fused = dq is not None
+  if fused and (with_ds or h % 64):
+    raise ValueError("dq: not with ds_tiles, and head dim a multiple of 64")
   interp = static.interpret
 
   def kernel(
@@ -927,10 +986,17 @@ def backward_dkv(
     if with_ds:
       dk_ref, dv_ref, ds_ref, *scratch = refs
       ds_stage = scratch[9]
+    elif fused:
+      dq_ref, dk_ref, dv_ref, *scratch = refs
     else:
       dk_ref, dv_ref, *scratch = refs
-    (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem) = scratch[:6]
-    (kv_bar, q_bar, free) = scratch[6:9]
+    if fused:  # the dQ buffers share the dK / dV staging's memory
+      (k_smem2, v_smem2, staging, q_smem, do_smem) = scratch[:5]
+      (dk_smem2, dv_smem2), (ds_smem, dq_stage) = staging
+      (kv_bar, q_bar, free, ds_bar) = scratch[5:]
+    else:
+      (k_smem2, v_smem2, dk_smem2, dv_smem2, q_smem, do_smem) = scratch[:6]
+      (kv_bar, q_bar, free) = scratch[6:9]
     it = lax.axis_index("items")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -982,6 +1048,45 @@ def backward_dkv(
             stage, ds_ref.at[head, 2 * kv_tile + wg, tile_id0 + tile]
           )
 
+        def add_dq(j, ds16):
+          """dQ of step j's query tile over all 128 keys: both warpgroups
+          put their `dS^T` in a double-buffered shared tile and meet; then
+          each takes 64 of dQ's columns (with head dim 64 the one block
+          goes to them in turn), `sum_w dS^T[w]^T K[w]`, and adds it into
+          dQ with TMA reduce-add (interpret mode: stores into the item's
+          own slice, summed outside)."""
+          head, tile = coords(j)
+          rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
+          buf = lax.rem(j, 2)
+          ds_smem.at[buf, wg][...] = ds16
+          plgpu.commit_smem()
+          mosaic.meet(ds_bar)
+          for blk in range(h // 64):
+            cols = pl.ds(blk * 64, 64)
+
+            @pl.when(lax.rem(j + blk, 2) == wg)
+            def _(cols=cols):
+              def scoped(acc_ref):
+                for w2 in range(wgs):
+                  plgpu.wgmma(
+                    acc_ref,
+                    ds_smem.at[buf, w2].transpose((1, 0)),
+                    k_smem2.at[w2].at[:, cols],
+                  )
+                return acc_ref[...]
+
+              part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
+              stage = dq_stage.at[wg]
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              stage[...] = part.astype(dtype)
+              plgpu.commit_smem()
+              if interp is None:
+                plgpu.copy_smem_to_gmem(
+                  stage, dq_ref.at[rows, head, cols], reduction_op="add"
+                )
+              else:
+                plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
+
         def step(j, carry):
           dk, dv = carry
           slot = lax.rem(j, mcs)
@@ -991,16 +1096,27 @@ def backward_dkv(
           pt, dact = scores(mosaic.matmul(k_smem, q_t, (bkv, bq)))
           dv = mosaic.accumulate(dv, pt.astype(dtype), do_smem.at[slot], interp)
           dpt = mosaic.matmul(v_smem, do_t, (bkv, bq))
-          dst16 = (dact * dpt * ds_scale).astype(dtype)
+          dst = dact * dpt * ds_scale
+          if fused:
+            # Keys outside the sequence (this tile's rows past its end or
+            # before its start hold other sequences' keys) must add
+            # nothing to dQ; their dK rows are never stored anyway.
+            dst = dst * lax.broadcast_in_dim(key_ok, (bkv, bq), [0])
+          dst16 = dst.astype(dtype)
           dk = mosaic.accumulate(dk, dst16, q_smem.at[slot], interp)
           if with_ds:
             store_ds(j, dst16)
           mosaic.release(free.at[slot])
+          if fused:
+            add_dq(j, dst16)
           return dk, dv
 
         my_lo = jnp.clip(lo - wg * bkv, 0, bkv)
         my_hi = jnp.clip(hi - wg * bkv, 0, bkv)
         count = jnp.maximum(my_hi - my_lo, 0)
+        if fused:  # 1.0 on this warpgroup's keys of the sequence (rows)
+          key_at = mosaic.row_iota(bkv)
+          key_ok = ((key_at >= my_lo) & (key_at < my_hi)).astype(jnp.float32)
 
         def rows(dst):
           if parts > 1:
@@ -1010,8 +1126,10 @@ def backward_dkv(
         @pl.when(count > 0)
         def _():
           dk, dv = lax.fori_loop(0, total, step, (zeros, zeros))
-          if with_ds:  # the last dS^T stores read their staging
+          if with_ds or fused:  # the last dS^T / dQ stores read their staging
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if fused:  # both are done with the dQ buffers (dK / dV's memory)
+            mosaic.meet(ds_bar)
           if parts > 1:  # one f32 buffer: dK, then dV once it was read
             buf = dk_smem2.at[wg]
             for i, (val, dst) in enumerate(((dk, dk_ref), (dv, dv_ref))):
@@ -1034,14 +1152,25 @@ def backward_dkv(
         # keys: the common case of cross-attention) computes nothing, but
         # still consumes the ring so the barrier phases stay in step. (Its
         # `dS^T` tiles are never read: `dq_from_ds` visits only the
-        # sequence's own 64-row key tiles.)
+        # sequence's own 64-row key tiles.) Adding dQ, it still takes its
+        # turns at dQ's columns, with a zero `dS^T` of its own.
         @pl.when(count == 0)
         def _():
+          zero = plgpu.layout_cast(
+            jnp.full((bkv, bq), 0, jnp.float32), plgpu.Layout.WGMMA
+          ).astype(dtype)
+
           @pl.loop(0, total)
           def _(j):
             slot = lax.rem(j, mcs)
             plgpu.barrier_wait(q_bar.at[slot])
             plgpu.barrier_arrive(free.at[slot])
+            if fused:
+              add_dq(j, zero)
+
+          if fused:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            mosaic.meet(ds_bar)
 
       @pl.when(wg == wgs)
       def _memory():
@@ -1072,12 +1201,18 @@ def backward_dkv(
         mosaic.produce_ring(total, mcs, free, issue)
 
   tile = mosaic.smem_tile
-  scratch = [
-    tile((wgs, bkv, h), dtype),
-    tile((wgs, bkv, h), dtype),
+  staging = [
     plgpu.SMEM((wgs, bkv, h), out_dtype),
     # dV's buffer (f32 partials share dK's, one after the other).
     plgpu.SMEM((wgs, bkv, h) if parts == 1 else (8, h), dtype),
+  ]
+  if fused:  # dS^T (double-buffered) and dQ staging, until the end
+    dq_bufs = [tile((2, wgs, bkv, bq), dtype), tile((wgs, bq, 64), dtype)]
+    staging = [plgpu.RefUnion(staging, dq_bufs)]
+  scratch = [
+    tile((wgs, bkv, h), dtype),
+    tile((wgs, bkv, h), dtype),
+    *staging,
     tile((mcs, bq, h), dtype),
     tile((mcs, bq, h), dtype),
     plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
@@ -1087,9 +1222,13 @@ def backward_dkv(
   kv_shape = (parts, s, kh, h) if parts > 1 else (s, kh, h)
   kv_type = jax.ShapeDtypeStruct(kv_shape, out_dtype)
   out_type = [kv_type, kv_type]
+  args = [items, q, k, v, do, q_side, do_side]
   if with_ds:
     scratch.append(tile((wgs, bkv, bq), dtype))
     out_type.append(jax.ShapeDtypeStruct((n, *ds_tiles, bkv, bq), dtype))
+  if fused:
+    scratch.append(plgpu.Barrier(num_arrivals=wgs))
+    args.append(dq)
   outs = mosaic.warp_specialized(
     kernel,
     out_type=out_type,
@@ -1098,7 +1237,7 @@ def backward_dkv(
     consumers=wgs,
     interpret=interp,
     items="items",
-  )(items, q, k, v, do, q_side, do_side)
+  )(*args)
   dk, dv = outs[:2]
   if parts > 1:  # the parts simply add
     dk, dv = (x.sum(axis=0).astype(dtype) for x in (dk, dv))
@@ -1166,7 +1305,6 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
 
   def kernel(wt_ref, count_ref, k_ref, ks_ref, ds_ref, out_ref, *scratch):
     (k_smem, ds_smem, out_bufs, kv_bar, kv_free) = scratch[:5]
-    o_smem, of_smem = _unpack_out(out_bufs, full)
     w = lax.axis_index("workers")
     hp = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -1204,9 +1342,9 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
 
         acc = lax.fori_loop(0, steps, step, acc)
         part = cur[W_PART] if parts > 1 else None
-        _store_query_tile(
-          acc, out_ref, o_smem.at[wg], of_smem.at[wg] if full else None, head,
-          q_row, lo, hi, part, bq, out_dtype,
+        _store_own_tile(
+          out_bufs, full, wg, hpc, acc, out_ref,
+          head, q_row, lo, hi, part, bq, out_dtype,
         )  # fmt: skip
         return (loads + steps, *nxt)
 

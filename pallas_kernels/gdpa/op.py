@@ -27,7 +27,9 @@ TANH_MODES = ("poly", "poly_unchecked", "exact")
 def _query_side(static, q, k, v, do, q_off, kv_off):
   """Forward (`do is None`) or dQ on row-padded buffers."""
   bs = static.block_sizes
-  bkv = bs.block_kv or mg.kv_block(static.max_len_kv, dq=do is not None)
+  bkv = bs.block_kv or mg.kv_block(
+    static.max_len_kv, dq=do is not None, kv_stages=bs.kv_stages
+  )
   if do is not None:
     bkv = max(bkv, 64)  # see `mg.query_kernel`
   if bkv != bs.block_kv:
@@ -77,8 +79,10 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   bs = static.block_sizes
-  from_ds = mg.use_dq_from_ds(bs, static.max_len_kv)
-  if from_ds:
+  from_ds = not bs.dq_fused and mg.use_dq_from_ds(bs, static.max_len_kv)
+  if bs.dq_fused:
+    q_start = None
+  elif from_ds:
     q_items, q_sched = jmg.query_items(
       q_off,
       kv_off,
@@ -103,7 +107,11 @@ def _bwd(static, res, do):
   )
   q_side = jmg.side_tiles(q, q_off, bs.block_q)
   do_side = jmg.side_tiles(do, q_off, bs.block_q)
-  if from_ds:
+  if bs.dq_fused:
+    dq, dk, dv = mg.backward_dkv_dq(
+      q, k, v, do, q_side, do_side, items, static, parts
+    )
+  elif from_ds:
     ds_tiles = (mg.ds_key_tiles(static.max_len_kv), q_items.shape[0])
     dk, dv, ds = mg.backward_dkv(
       q, k, v, do, q_side, do_side, items, static, parts, ds_tiles

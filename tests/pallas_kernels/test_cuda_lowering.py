@@ -94,12 +94,26 @@ def test_gdpa_dq_from_ds_deep_ring():
   failing in Mosaic's compile."""
   q, k = _spec((B * L, N, 128)), _spec((B * 256, KH, 128))
   bs = gdpa_mg.BlockSizes(kv_stages=4)
-  assert gdpa_mg._ds_ring(bs, 2, 128, 4, False) == 5
+  assert gdpa_mg._ds_ring(bs, 2, 128, 4) == 5
   f = lambda q, k, v, qo, ko: gdpa_mosaic(
     q, k, v, qo, ko, activation="gelu_tanh", max_len_kv=256,
     block_sizes=bs, interpret=False,
   )  # fmt: skip
   _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
+
+
+@pytest.mark.parametrize("h", [128, 64])
+@pytest.mark.parametrize("kv", [16, 256])
+def test_gdpa_fused_dq(kv, h):
+  """dQ added by the dK/dV kernel (TMA reduce-add; interpret mode stores
+  instead): the forward and the fused backward, two kernels."""
+  q, k = _spec((B * L, N, h)), _spec((B * kv, KH, h))
+  bs = gdpa_mg.BlockSizes(dq_fused=True)
+  f = lambda q, k, v, qo, ko: gdpa_mosaic(
+    q, k, v, qo, ko, activation="gelu_tanh", max_len_kv=kv,
+    block_sizes=bs, interpret=False,
+  )  # fmt: skip
+  _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=2)
 
 
 @pytest.mark.parametrize("h", [128, 64])

@@ -155,11 +155,53 @@ def test_cross_attention_wide_key_tiles_interpret(monkeypatch, dq_from_ds):
   assert seen == ([128] if dq_from_ds else [128, 64])
 
 
+@pytest.mark.parametrize(
+  "h,dkv_split", [(64, 1), (128, 2)], ids=["d64", "d128_split"]
+)
+def test_fused_dq_interpret(h, dkv_split):
+  # dQ added by the dK/dV kernel (`dq_fused`): seq 0's 200 keys span two
+  # 128-key tiles (dQ gets an add from each; the first starts off the
+  # 8-row grid), seq 2's 66 keys leave the second warpgroup of their tile
+  # without keys (it still takes its turns at dQ's columns), seq 4 has
+  # queries but no keys and seq 3 keys but no queries. Keys outside a
+  # sequence (other sequences' rows inside a key tile) must add nothing.
+  # Head dim 64: the one column block goes to the warpgroups in turn; 128:
+  # a block each, and each key tile's query stream cut in 2 parts.
+  _check_case(
+    [70, 3, 9, 0, 5],
+    [200, 1, 66, 7, 0],
+    n=4,
+    kh=2,
+    h=h,
+    dtype=jnp.bfloat16,
+    tail=3,
+    seed=7,
+    activation="gelu",
+    block_sizes=mg.BlockSizes(
+      num_sms=2, deal_chunk=2, dq_fused=True, dkv_split=dkv_split
+    ),
+  )
+
+
+def test_fused_dq_no_races_interpret():
+  q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
+  q, k, v, do = cases.inputs(
+    8, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
+  )
+  bs = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_fused=True)
+  attn = lambda q, k, v: gdpa_mosaic(  # noqa: E731
+    q, k, v, q_off, kv_off, block_sizes=bs, max_len_kv=130,
+    interpret=cases.RACE_PARAMS,
+  )  # fmt: skip
+  cases.assert_no_races(attn, q, k, v, do)
+
+
 def test_key_tile_and_query_layout_choice():
   assert [mg.kv_block(n) for n in (None, 1, 16, 17, 32, 64, 65, 256)] == [
     64, 16, 16, 32, 32, 64, 128, 128,
   ]  # fmt: skip
   assert mg.kv_block(257) == 64 and mg.kv_block(256, dq=True) == 64
+  assert mg.kv_block(256, kv_stages=3) == 64  # a deeper ring of 64 rows
   bs = mg.BlockSizes
   # Head dim 128, two heads per CTA: the deepest Q ring (up to 3) beside the K/V
   # ring (2 stages of 64 or 128 keys) and the output buffer, whose
@@ -429,6 +471,30 @@ def test_gpu_matches_reference(shape, activation, normalize, h):
     seed=11,
     activation=activation,
     normalize=normalize,
+  )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [64, 128])
+def test_gpu_fused_dq_matches_reference(h):
+  # dQ added by the dK/dV kernel through TMA reduce-add (which interpret
+  # mode replaces by per-item slices): cross-attention over 16-256 keys.
+  rng = np.random.default_rng(h)
+  b = 12
+  q_lens = rng.integers(1, 2049, b)
+  kv_lens = rng.choice([16, 64, 200, 256], b)
+  q_lens[:2], kv_lens[:2] = [0, 1], [5, 0]
+  _check_case(
+    list(q_lens),
+    list(kv_lens),
+    n=8,
+    kh=2,
+    h=h,
+    dtype=jnp.bfloat16,
+    tail=37,
+    seed=12,
+    activation="gelu_tanh",
+    block_sizes=mg.BlockSizes(dq_fused=True),
   )
 
 
