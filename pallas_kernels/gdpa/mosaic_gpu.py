@@ -175,8 +175,8 @@ class BlockSizes:
   deal_chunk: int = 4  # consecutive tiles dealt to one worker together
   dkv_split: int | None = None  # dK/dV: query parts per key tile
   dkv_stages: int = 2  # dK/dV: (Q, dO) ring depth
-  dq_from_ds: bool | None = None  # dQ from stored dS^T (`use_dq_from_ds`)
-  dq_fused: bool = False  # dQ added by the dK/dV kernel (`backward_dkv_dq`)
+  dq_from_ds: bool | None = None  # dQ from stored dS^T (`dq_path`)
+  dq_fused: bool | None = None  # dQ added by the dK/dV kernel (`dq_path`)
   fold_heads: bool = True  # short query sides: heads into rows (op.py)
   num_sms: int | None = None  # persistent CTAs = about this many (None:
   # the GPU's SMs, `mosaic.num_sms`)
@@ -386,6 +386,19 @@ def use_dq_from_ds(bs, max_len_kv: int | None) -> bool:
   return tiles is not None and lo <= tiles <= hi
 
 
+def dq_path(bs, max_len_kv: int | None) -> str:
+  """How the backward forms dQ: `"ds"`, read back from the dK/dV kernel's
+  `dS^T` (`use_dq_from_ds`: by default up to ~256 keys); else `"fused"`,
+  added by the dK/dV kernel itself (`backward_dkv_dq`; by default past
+  that range), or `"kernel"`, the dQ kernel's recomputation
+  (`dq_fused=False`)."""
+  if bs.dq_fused:
+    return "fused"
+  if use_dq_from_ds(bs, max_len_kv):
+    return "ds"
+  return "kernel" if bs.dq_fused is False else "fused"
+
+
 def backward_dkv_dq(q, k, v, do, q_side, do_side, items, static, parts=1):
   """(dQ, dK, dV), the dK/dV kernel also adding `dQ = dS K` (`dq_fused`):
   neither a dQ kernel recomputing `X`, `dP` and `a'(X)` nor a round trip
@@ -399,13 +412,19 @@ def backward_dkv_dq(q, k, v, do, q_side, do_side, items, static, parts=1):
   reduction: there each item stores into a slice of its own (with spare
   rows: its stores cannot drop the rows past the end), summed here.
 
-  Not the default for short keys: the per-step rendezvous keeps the two
-  consumers in lockstep, where apart one's activation overlaps the
-  other's wgmmas. H200, B=32 x 2,048 queries, fwd+bwd, same process
-  (2026-12-03): 0.5946 against 0.5935 ms (dQ from `dS^T`) over 256 keys,
-  0.2813 / 0.2748 against 0.2576 / 0.2545 over 64 / 16; pooled (16
-  queries over log-normal histories, dQ kernel by default) 0.0827
-  against 0.0922."""
+  The default where dQ does not come from `dS^T` (`dq_path`: longer
+  keys), in place of the dQ kernel. H200, fwd+bwd timed in alternation
+  (2026-12-03): 0.0617 against 0.0710 ms with the dQ kernel for pooled
+  attention (16 queries over 32 log-normal histories), 1.069 against
+  1.234 ms for self-attention over 8 x 2,048, 0.825 against 0.926 over
+  16 log-normal lengths; dQ's relative error against the f32 reference
+  0.0041 / 0.0055 / 0.0050 against the dQ kernel's 0.0023 (the other
+  gradients unchanged), as for jagged attention's fused backward. Not
+  for short keys: the per-step rendezvous keeps the two consumers in
+  lockstep, where apart one's activation overlaps the other's wgmmas;
+  B=32 x 2,048 queries, same process: 0.5946 against 0.5935 ms (dQ from
+  `dS^T`) over 256 keys, 0.2813 / 0.2748 against 0.2576 / 0.2545 over
+  64 / 16."""
   t, n, h = q.shape
   interp = static.interpret is not None
   shape = (

@@ -79,10 +79,10 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   bs = static.block_sizes
-  from_ds = not bs.dq_fused and mg.use_dq_from_ds(bs, static.max_len_kv)
-  if bs.dq_fused:
+  path = mg.dq_path(bs, static.max_len_kv)
+  if path == "fused":
     q_start = None
-  elif from_ds:
+  elif path == "ds":
     q_items, q_sched = jmg.query_items(
       q_off,
       kv_off,
@@ -107,11 +107,11 @@ def _bwd(static, res, do):
   )
   q_side = jmg.side_tiles(q, q_off, bs.block_q)
   do_side = jmg.side_tiles(do, q_off, bs.block_q)
-  if bs.dq_fused:
+  if path == "fused":
     dq, dk, dv = mg.backward_dkv_dq(
       q, k, v, do, q_side, do_side, items, static, parts
     )
-  elif from_ds:
+  elif path == "ds":
     ds_tiles = (mg.ds_key_tiles(static.max_len_kv), q_items.shape[0])
     dk, dv, ds = mg.backward_dkv(
       q, k, v, do, q_side, do_side, items, static, parts, ds_tiles

@@ -74,7 +74,9 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
 # Several tiles per CTA (2 SMs); dQ two ways: the dQ kernel recomputing X
 # and dP, or read back from the dK/dV kernel's dS^T tiles (`dq_from_ds`,
 # the default for 129-256 keys).
-RECOMPUTE_DQ = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=False)
+RECOMPUTE_DQ = mg.BlockSizes(
+  num_sms=2, deal_chunk=2, dq_from_ds=False, dq_fused=False
+)
 FROM_DS = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=True)
 # Narrow key tiles (the short-KV choice) and a 3-deep Q ring; dK/dV cuts
 # each key tile's query stream in 3 parts (f32 partials; a sequence with
@@ -150,7 +152,12 @@ def test_cross_attention_wide_key_tiles_interpret(monkeypatch, dq_from_ds):
     tail=3,
     seed=6,
     activation="gelu_tanh",
-    block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2, dq_from_ds=dq_from_ds),
+    block_sizes=mg.BlockSizes(
+      num_sms=2,
+      deal_chunk=2,
+      dq_from_ds=dq_from_ds,
+      dq_fused=None if dq_from_ds else False,  # else the dQ kernel
+    ),
   )
   assert seen == ([128] if dq_from_ds else [128, 64])
 
@@ -288,6 +295,33 @@ def test_self_attention_silu_hstu_odd_group_interpret():
   )
 
 
+def test_long_keys_add_dq_in_dkv_kernel_by_default_interpret(monkeypatch):
+  # Past ~256 keys (6 key tiles of 64 here) dQ comes from the dK/dV kernel
+  # by default (`dq_path`): HSTU silu(x)/N self-attention (the 1/N inside
+  # dS), 3 query heads per KV head, lengths 330 (three 128-key tiles, so
+  # three adds per dQ row), 0, 1 and 70.
+  calls = []
+  fused = mg.backward_dkv_dq
+  monkeypatch.setattr(
+    mg, "backward_dkv_dq", lambda *a, **k: calls.append(1) or fused(*a, **k)
+  )
+  lens = [330, 0, 1, 70]
+  _check_case(
+    lens,
+    lens,
+    n=3,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=2,
+    seed=9,
+    activation="silu",
+    normalize="hstu",
+    block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2),
+  )
+  assert calls == [1]
+
+
 def test_no_races_interpret():
   # The interpreter's race detector over the forward, dK/dV and dQ
   # kernels (both dQ forms): every shared-memory buffer handed back to the
@@ -306,6 +340,7 @@ def test_no_races_interpret():
       q_stages=3,
       kv_split=2,
       dq_from_ds=from_ds,
+      dq_fused=None if from_ds else False,  # else the dQ kernel
     )
     attn = lambda q, k, v, bs=bs: gdpa_mosaic(
       q,
@@ -511,5 +546,20 @@ def test_dq_from_ds_default_range():
     False,
   ]
   assert not mg.use_dq_from_ds(mg.BlockSizes(dq_from_ds=False), 256)
+
+
+def test_dq_path():
+  # dS^T read back up to ~256 keys, dQ added by the dK/dV kernel past
+  # them (or without a key bound), the dQ kernel only when asked for.
+  bs = mg.BlockSizes
+  assert [mg.dq_path(bs(), n) for n in (None, 16, 256, 330, 2048)] == [
+    "fused", "ds", "ds", "fused", "fused",
+  ]  # fmt: skip
+  assert mg.dq_path(bs(dq_fused=True), 64) == "fused"
+  assert mg.dq_path(bs(dq_from_ds=False), 64) == "fused"
+  assert mg.dq_path(bs(dq_fused=False), 2048) == "kernel"
+  assert mg.dq_path(bs(dq_fused=False), 64) == "ds"
+  with pytest.raises(ValueError, match="one dQ path"):
+    bs(dq_fused=True, dq_from_ds=True)
   with pytest.raises(ValueError, match="max_len_kv"):
     mg.use_dq_from_ds(mg.BlockSizes(dq_from_ds=True), None)
