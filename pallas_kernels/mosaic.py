@@ -140,6 +140,38 @@ def meet(barrier):
   plgpu.barrier_wait(barrier)
 
 
+def shared_ds_dq(ds16, ds_smem, k_smem2, barrier, step, wg, emit):
+  """One step's dQ in a fused attention backward (two consumer warpgroups,
+  each owning half of a key tile): both put their `dS^T` (their keys x
+  the query tile, `ds16`) in the double-buffered `ds_smem[step % 2, wg]`
+  and meet at `barrier`; then dQ's 64-column blocks go to them in turn
+  (block `b` to warpgroup `(step + b) % 2`: one each with head dim 128,
+  alternating steps with 64), each formed over all the tile's keys,
+  `sum_w dS^T[w]^T K[w][:, block]` (`k_smem2[w]`: warpgroup w's keys), in
+  f32 and handed to `emit(part, cols)`. The meet of the next step orders
+  this step's reads of `ds_smem` before its slot is written again."""
+  wgs, rows = ds_smem.shape[1], ds_smem.shape[-1]
+  buf = lax.rem(step, 2)
+  ds_smem.at[buf, wg][...] = ds16
+  plgpu.commit_smem()
+  meet(barrier)
+  for blk in range(k_smem2.shape[-1] // 64):
+    cols = pl.ds(blk * 64, 64)
+
+    @pl.when(lax.rem(step + blk, 2) == wg)
+    def _(cols=cols):
+      def scoped(acc_ref):
+        for w in range(wgs):
+          plgpu.wgmma(
+            acc_ref,
+            ds_smem.at[buf, w].transpose((1, 0)),
+            k_smem2.at[w].at[:, cols],
+          )
+        return acc_ref[...]
+
+      emit(pl.run_scoped(scoped, plgpu.ACC((rows, 64), jnp.float32)), cols)
+
+
 def produce_ring(total, stages: int, free, issue):
   """A producer's loop over `total` (dynamic) loads through a ring of
   `stages` slots: `issue(j, slot)` starts load `j` into `slot` once the

@@ -1087,43 +1087,26 @@ def backward_dkv(
           )
 
         def add_dq(j, ds16):
-          """dQ of step j's query tile over all 128 keys: both warpgroups
-          put their `dS^T` in a double-buffered shared tile and meet; then
-          each takes 64 of dQ's columns (with head dim 64 the one block
-          goes to them in turn), `sum_w dS^T[w]^T K[w]`, and adds it into
-          dQ with TMA reduce-add (interpret mode: stores into the item's
-          own slice, summed outside)."""
+          """dQ of step j's query tile over all 128 keys
+          (`mosaic.shared_ds_dq`), added into dQ with TMA reduce-add
+          (interpret mode: stored into the item's own slice, summed
+          outside)."""
           head, tile = coords(j)
           rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
-          buf = lax.rem(j, 2)
-          ds_smem.at[buf, wg][...] = ds16
-          plgpu.commit_smem()
-          mosaic.meet(ds_bar)
-          for blk in range(h // 64):
-            cols = pl.ds(blk * 64, 64)
 
-            @pl.when(lax.rem(j + blk, 2) == wg)
-            def _(cols=cols):
-              def scoped(acc_ref):
-                for w2 in range(wgs):
-                  plgpu.wgmma(
-                    acc_ref,
-                    ds_smem.at[buf, w2].transpose((1, 0)),
-                    k_smem2.at[w2].at[:, cols],
-                  )
-                return acc_ref[...]
+          def emit(part, cols):
+            stage = dq_stage.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            stage[...] = part.astype(dtype)
+            plgpu.commit_smem()
+            if interp is None:
+              plgpu.copy_smem_to_gmem(
+                stage, dq_ref.at[rows, head, cols], reduction_op="add"
+              )
+            else:
+              plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
 
-              part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
-              stage = dq_stage.at[wg]
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              stage[...] = part.astype(dtype)
-              plgpu.commit_smem()
-              if interp is None:
-                plgpu.copy_smem_to_gmem(
-                  stage, dq_ref.at[rows, head, cols], reduction_op="add"
-                )
-              else:
-                plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
+          mosaic.shared_ds_dq(ds16, ds_smem, k_smem2, ds_bar, j, wg, emit)
 
         def step(j, carry):
           dk, dv = carry

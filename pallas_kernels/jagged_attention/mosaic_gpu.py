@@ -1585,26 +1585,10 @@ def backward_dkv(
       def add_dq(it, g, head, q_row, ds16):
         """dQ of this step's query tile from both halves' dS."""
         rows = pl.ds(mosaic.aligned(q_row), bq)
-        buf = lax.rem(g, 2)
-        ds_smem.at[buf, wg][...] = ds16
-        plgpu.commit_smem()
-        mosaic.meet(ds_bar)
-        for part in range(h // 64):
-          cols = pl.ds(part * 64, 64)
-
-          @pl.when(lax.rem(g + part, 2) == wg)
-          def _(cols=cols):
-            def scoped(acc_ref):
-              for w2 in range(wgs):
-                plgpu.wgmma(
-                  acc_ref,
-                  ds_smem.at[buf, w2].transpose((1, 0)),
-                  k_smem2.at[w2].at[:, cols],
-                )
-              return acc_ref[...]
-
-            dq_part = pl.run_scoped(scoped, plgpu.ACC((bq, 64), jnp.float32))
-            reduce_add(it, dq_part, rows, head, cols)
+        mosaic.shared_ds_dq(
+          ds16, ds_smem, k_smem2, ds_bar, g, wg,
+          lambda part, cols: reduce_add(it, part, rows, head, cols),
+        )  # fmt: skip
 
       load_kv(0)
       zeros = plgpu.layout_cast(
