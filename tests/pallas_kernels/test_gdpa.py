@@ -190,19 +190,6 @@ def test_fused_dq_interpret(h, dkv_split):
   )
 
 
-def test_fused_dq_no_races_interpret():
-  q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
-  q, k, v, do = cases.inputs(
-    8, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
-  )
-  bs = mg.BlockSizes(num_sms=2, deal_chunk=2, dq_fused=True)
-  attn = lambda q, k, v: gdpa_mosaic(  # noqa: E731
-    q, k, v, q_off, kv_off, block_sizes=bs, max_len_kv=130,
-    interpret=cases.RACE_PARAMS,
-  )  # fmt: skip
-  cases.assert_no_races(attn, q, k, v, do)
-
-
 def test_key_tile_and_query_layout_choice():
   assert [mg.kv_block(n) for n in (None, 1, 16, 17, 32, 64, 65, 256)] == [
     64, 16, 16, 32, 32, 64, 128, 128,
@@ -275,73 +262,65 @@ def test_pooled_attention_folds_heads_into_rows_interpret(monkeypatch):
   assert folds == [4]
 
 
-def test_self_attention_silu_hstu_odd_group_interpret():
-  # HSTU-style silu(x)/N self-attention, fp16, 3 query heads per KV head
-  # (one head per CTA); lengths 0, 1, 9 and 70 share one buffer. dQ from
-  # dS^T (the 1/N is in dS).
-  lens = [9, 0, 70, 1]
+@pytest.mark.parametrize(
+  "lens,dtype,block_sizes,path",
+  [
+    ([9, 0, 70, 1], jnp.float16, FROM_DS, "ds"),
+    (
+      [330, 0, 1, 70],
+      jnp.bfloat16,
+      mg.BlockSizes(num_sms=2, deal_chunk=2),
+      "fused",
+    ),
+  ],
+  ids=["from_ds", "long_keys_fused"],
+)
+def test_self_attention_silu_hstu_odd_group_interpret(
+  monkeypatch, lens, dtype, block_sizes, path
+):
+  # HSTU-style silu(x)/N self-attention (the 1/N inside dS), 3 query heads
+  # per KV head (one head per CTA); lengths 0 and 1 share the buffer with
+  # longer ones. dQ from dS^T, or, past ~256 keys (330: 6 key tiles of 64,
+  # three of 128, so three adds per dQ row), by default added by the dK/dV
+  # kernel itself (`dq_path`).
+  paths = []
+  choose = mg.dq_path
+  monkeypatch.setattr(
+    mg, "dq_path", lambda *a: paths.append(choose(*a)) or paths[-1]
+  )
   _check_case(
     lens,
     lens,
     n=3,
     kh=1,
     h=64,
-    dtype=jnp.float16,
+    dtype=dtype,
     tail=2,
     seed=3,
     activation="silu",
     normalize="hstu",
-    block_sizes=FROM_DS,
+    block_sizes=block_sizes,
   )
-
-
-def test_long_keys_add_dq_in_dkv_kernel_by_default_interpret(monkeypatch):
-  # Past ~256 keys (6 key tiles of 64 here) dQ comes from the dK/dV kernel
-  # by default (`dq_path`): HSTU silu(x)/N self-attention (the 1/N inside
-  # dS), 3 query heads per KV head, lengths 330 (three 128-key tiles, so
-  # three adds per dQ row), 0, 1 and 70.
-  calls = []
-  fused = mg.backward_dkv_dq
-  monkeypatch.setattr(
-    mg, "backward_dkv_dq", lambda *a, **k: calls.append(1) or fused(*a, **k)
-  )
-  lens = [330, 0, 1, 70]
-  _check_case(
-    lens,
-    lens,
-    n=3,
-    kh=1,
-    h=64,
-    dtype=jnp.bfloat16,
-    tail=2,
-    seed=9,
-    activation="silu",
-    normalize="hstu",
-    block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2),
-  )
-  assert calls == [1]
+  assert paths == [path]
 
 
 def test_no_races_interpret():
   # The interpreter's race detector over the forward, dK/dV and dQ
-  # kernels (both dQ forms): every shared-memory buffer handed back to the
-  # producer (K/V and Q rings, resident keys reused across tiles, the
+  # kernels (all three dQ forms): every shared-memory buffer handed back to
+  # the producer (K/V and Q rings, resident keys reused across tiles, the
   # (K, dS^T) ring) is ordered before its refill, with the Q slot handed
-  # back early (after its last read) and split keys.
+  # back early (after its last read) and split keys; the fused backward's
+  # shared dS^T tiles, and (default forward) each consumer's output views.
   q_off, kv_off = cases.offsets([70, 0, 1, 9]), cases.offsets([3, 5, 0, 130])
   q, k, v, do = cases.inputs(
     4, int(q_off[-1]) + 5, int(kv_off[-1]) + 3, 2, 1, 64, jnp.bfloat16
   )
-  for from_ds in (True, False):
-    bs = mg.BlockSizes(
-      num_sms=2,
-      deal_chunk=2,
-      block_kv=32,
-      q_stages=3,
-      kv_split=2,
-      dq_from_ds=from_ds,
-      dq_fused=None if from_ds else False,  # else the dQ kernel
-    )
+  split = dict(num_sms=2, deal_chunk=2, block_kv=32, q_stages=3, kv_split=2)
+  for bs in (
+    mg.BlockSizes(**split, dq_from_ds=True),
+    mg.BlockSizes(**split, dq_from_ds=False, dq_fused=False),  # dQ kernel
+    mg.BlockSizes(num_sms=2, deal_chunk=2, dq_fused=True),
+  ):
     attn = lambda q, k, v, bs=bs: gdpa_mosaic(
       q,
       k,
