@@ -23,7 +23,8 @@ CTAs (one per query tile) mostly wait on their own loads. So:
    persistent: each CTA (one pair of query heads, one "worker") walks a list
    of query tiles, and its producer warpgroup loads the next tiles' Q (and
    dO) while the consumers compute the current one, through a ring of
-   `q_stages` tiles (up to 4, as shared memory allows); a consumer hands a
+   `q_stages` tiles (up to `MAX_Q_STAGES` = 3 unless asked for more, as
+   shared memory allows); a consumer hands a
    Q slot back right after the last matmul that reads it, not at the end
    of the tile. Short keys make these shapes memory-bound (Q in, O out), so
    what counts is how many tile loads are in flight. Keys and values go
