@@ -133,6 +133,12 @@ and the derivative. H200, B=32 x 2,048 queries over 256 keys, backward
 alone (2026-11-30): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
 `dS^T` 0.313 ms of it); over 16 and 64 keys, forward+backward 0.2730 /
 0.2726 ms vs 0.3177 / 0.3149.
+
+dQ for longer keys (`dq_fused`, `backward_dkv_dq`): the dK/dV kernel adds
+each step's `dS^T[tile]^T K[tile]` into dQ itself with TMA reduce-add (one
+rounded bf16 add per 128-key tile of the sequence), so dQ needs neither
+the dQ kernel nor a `dS` buffer whose size grows with the keys. Which
+path a call takes: `dq_path`.
 """
 
 import dataclasses
