@@ -140,6 +140,20 @@ def meet(barrier):
   plgpu.barrier_wait(barrier)
 
 
+def staged_add(stage, value, dst, interpret):
+  """`dst += value` (registers) by TMA reduce-add, staged through the
+  shared-memory `stage` once the previous store from it has read it. The
+  GPU interpreter (`interpret` not None) has no TMA reduction: there it
+  is a plain store, so `dst` must be a slice of the caller's own, which
+  the caller sums afterwards."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  stage[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(
+    stage, dst, reduction_op="add" if interpret is None else None
+  )
+
+
 def shared_ds_dq(ds16, ds_smem, k_smem2, barrier, step, wg, emit):
   """One step's dQ in a fused attention backward (two consumer warpgroups,
   each owning half of a key tile): both put their `dS^T` (their keys x

@@ -669,17 +669,17 @@ def _out_buffers(hpc, bq, h, out_dtype, full):
   ]
 
 
-def _store_own_tile(out_bufs, full, wg, hpc, acc, out_ref, *args):
+def _store_own_tile(out_bufs, wg, acc, out_ref, *args):
   """`_store_query_tile(acc, out_ref, plain, swizzled, *args)` with
-  consumer warpgroup `wg`'s buffers of `_out_buffers`."""
-  if not full:
+  consumer warpgroup `wg`'s buffers of `_out_buffers` (a list of unions
+  with the swizzled view, one per warpgroup, or one plain buffer)."""
+  if not isinstance(out_bufs, (list, tuple)):
     _store_query_tile(acc, out_ref, out_bufs.at[wg], None, *args)
     return
-  for g in range(hpc):
+  for g, (plain, swizzled) in enumerate(out_bufs):
 
     @pl.when(wg == g)
-    def _(g=g):
-      plain, swizzled = out_bufs[g]
+    def _(plain=plain, swizzled=swizzled):
       _store_query_tile(acc, out_ref, plain, swizzled, *args)
 
 
@@ -871,9 +871,8 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
         part = cur[W_PART] if parts > 1 else None
         _store_own_tile(
-          out_bufs, full, wg, hpc, acc, out_ref,
-          head, q_row, lo, hi, part, bq, out_dtype,
-        )  # fmt: skip
+          out_bufs, wg, acc, out_ref, head, q_row, lo, hi, part, bq, out_dtype
+        )
         return (jnp.where(reuse, loads, loads + steps), *nxt)
 
       lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))
@@ -1102,16 +1101,11 @@ def backward_dkv(
           rows = pl.ds(mosaic.aligned(q_row0 + tile * bq), bq)
 
           def emit(part, cols):
-            stage = dq_stage.at[wg]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            stage[...] = part.astype(dtype)
-            plgpu.commit_smem()
             if interp is None:
-              plgpu.copy_smem_to_gmem(
-                stage, dq_ref.at[rows, head, cols], reduction_op="add"
-              )
-            else:
-              plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, rows, head, cols])
+              dst = dq_ref.at[rows, head, cols]
+            else:  # the item's own slice (its windows are disjoint)
+              dst = dq_ref.at[it, rows, head, cols]
+            mosaic.staged_add(dq_stage.at[wg], part.astype(dtype), dst, interp)
 
           mosaic.shared_ds_dq(ds16, ds_smem, k_smem2, ds_bar, j, wg, emit)
 
@@ -1371,9 +1365,8 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
         acc = lax.fori_loop(0, steps, step, acc)
         part = cur[W_PART] if parts > 1 else None
         _store_own_tile(
-          out_bufs, full, wg, hpc, acc, out_ref,
-          head, q_row, lo, hi, part, bq, out_dtype,
-        )  # fmt: skip
+          out_bufs, wg, acc, out_ref, head, q_row, lo, hi, part, bq, out_dtype
+        )
         return (loads + steps, *nxt)
 
       lax.fori_loop(0, n_steps, body, (jnp.int32(0), *fetch(0, cols)))

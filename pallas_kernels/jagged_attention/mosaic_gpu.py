@@ -1565,22 +1565,14 @@ def backward_dkv(
           )
 
       def reduce_add(it, dq_part, rows, head, cols):
-        stage = dq_stage.at[wg]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if bs.dq_f32:
-          stage[...] = dq_part
-        else:
-          stage[...] = (dq_part * static.scale).astype(dtype)
-        plgpu.commit_smem()
+        value = dq_part if bs.dq_f32 else (dq_part * static.scale).astype(dtype)
         if static.interpret is None:
-          plgpu.copy_smem_to_gmem(
-            stage, dq_ref.at[rows, head, cols], reduction_op="add"
-          )
+          dst = dq_ref.at[rows, head, cols]
         else:
-          # The GPU interpreter has no TMA reduction: each warpgroup of
-          # each item stores into its own slice (one item's steps touch
-          # disjoint (head, query tile) windows), summed outside.
-          plgpu.copy_smem_to_gmem(stage, dq_ref.at[it, wg, rows, head, cols])
+          # Each warpgroup of each item its own slice (one item's steps
+          # touch disjoint (head, query tile) windows), summed outside.
+          dst = dq_ref.at[it, wg, rows, head, cols]
+        mosaic.staged_add(dq_stage.at[wg], value, dst, static.interpret)
 
       def add_dq(it, g, head, q_row, ds16):
         """dQ of this step's query tile from both halves' dS."""

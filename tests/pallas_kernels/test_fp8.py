@@ -782,9 +782,9 @@ _QB = matmul_mgpu.QuantizingBlockSizes
     (128, 384, 512, 2, _QB(), True),
     # One quantizer, 3-deep weight ring, weight scales per column; one
     # program walks all three tiles.
-    (192, 640, 256, 1, _QB(quantizers=1, stages_b=3, cluster_m=1), False),
+    (192, 640, 256, 1, _QB(quantizers=1, stages_b=3), False),
     # One bf16 tile in flight per quantizer, fewer steps than ring slots.
-    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4, cluster_m=1), True),
+    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4), True),
     # CTAs in clusters along M multicasting the weight tiles: one cluster
     # of two walks two 128 x 256 tiles; two clusters of two, one tile
     # each, with weight scales per column; one cluster of four.

@@ -105,35 +105,58 @@ SPLIT = mg.BlockSizes(
 )
 
 
-def test_cross_attention_gelu_interpret():
-  # Cross-attention shape: longer query sides over short key sides, and
-  # the edge cases on both sides: seq 1 has keys but no queries (zero
-  # dK/dV), seq 2 queries but no keys (zero output), seq 3 one query, seq 0
-  # a long one (70 rows: two query tiles, not a multiple of 64). Group of
-  # 2 query heads per KV head: two consumer warpgroups share the keys.
-  # 16-row key tiles: seq 3's 66 keys stream through the ring (5 tiles),
-  # the others stay resident.
-  _check_case(
-    [70, 0, 1, 9, 3],
-    [3, 5, 0, 66, 1],
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.bfloat16,
-    tail=5,
-    seed=1,
-    activation="gelu",
-    block_sizes=NARROW,
-  )
+def _two_sms(**kw):
+  return mg.BlockSizes(num_sms=2, deal_chunk=2, **kw)
 
 
-@pytest.mark.parametrize("dq_from_ds", [True, False])
-def test_cross_attention_wide_key_tiles_interpret(monkeypatch, dq_from_ds):
+# Cross-attention cases: longer query sides over short key sides, with
+# the edge cases on both sides. Each: (query lengths, key lengths, heads,
+# KV heads, head dim, activation, block sizes, key tiles the query-side
+# kernels take: the forward's, then the dQ kernel's when it runs).
+CROSS_CASES = {
+  # Seq 1 has keys but no queries (zero dK/dV), seq 2 queries but no keys
+  # (zero output), seq 3 one query, seq 0 a long one (70 rows: two query
+  # tiles, not a multiple of 64). 2 query heads per KV head: two consumer
+  # warpgroups share the keys. 16-row key tiles: seq 3's 66 keys stream
+  # through the ring (5 tiles), the others stay resident.
+  "narrow": (
+    [70, 0, 1, 9, 3], [3, 5, 0, 66, 1], 2, 1, 64, "gelu", NARROW, [16],
+  ),
   # Keys of 65-256 rows: the forward takes 128-row key tiles by default
   # (`kv_block`); seq 0's 200 keys (two tiles, resident in the 2-stage
   # ring) start off the 8-row grid, seq 2's 129 keys end one row into
-  # their second tile, and lengths 0 and 1 sit beside them. The dQ kernel
-  # (when dQ is not read back from dS^T) keeps 64-row tiles.
+  # their second tile, and lengths 0 and 1 sit beside them. dQ from dS^T,
+  # or by the dQ kernel, which keeps 64-row tiles.
+  "wide_from_ds": (
+    [70, 3, 9, 1, 0], [200, 1, 129, 0, 65], 2, 1, 64, "gelu_tanh",
+    _two_sms(dq_from_ds=True), [128],
+  ),
+  "wide_dq_kernel": (
+    [70, 3, 9, 1, 0], [200, 1, 129, 0, 65], 2, 1, 64, "gelu_tanh",
+    _two_sms(dq_from_ds=False, dq_fused=False), [128, 64],
+  ),
+  # dQ added by the dK/dV kernel (`dq_fused`): seq 0's 200 keys span two
+  # 128-key tiles (dQ gets an add from each; the first starts off the
+  # 8-row grid), seq 2's 66 keys leave the second warpgroup of their tile
+  # without keys (it still takes its turns at dQ's columns), seq 4 has
+  # queries but no keys and seq 3 keys but no queries. Keys outside a
+  # sequence (other sequences' rows inside a key tile) must add nothing.
+  # Head dim 64: the one column block goes to the warpgroups in turn; 128:
+  # a block each, and each key tile's query stream cut in 2 parts.
+  "fused_d64": (
+    [70, 3, 9, 0, 5], [200, 1, 66, 7, 0], 4, 2, 64, "gelu",
+    _two_sms(dq_fused=True), [128],
+  ),
+  "fused_d128_split": (
+    [70, 3, 9, 0, 5], [200, 1, 66, 7, 0], 4, 2, 128, "gelu",
+    _two_sms(dq_fused=True, dkv_split=2), [128],
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CROSS_CASES)
+def test_cross_attention_interpret(monkeypatch, case):
+  q_lens, kv_lens, n, kh, h, activation, bs, key_tiles = CROSS_CASES[case]
   seen = []
   kernel = mg.query_kernel
 
@@ -143,51 +166,18 @@ def test_cross_attention_wide_key_tiles_interpret(monkeypatch, dq_from_ds):
 
   monkeypatch.setattr(mg, "query_kernel", spy)
   _check_case(
-    [70, 3, 9, 1, 0],
-    [200, 1, 129, 0, 65],
-    n=2,
-    kh=1,
-    h=64,
-    dtype=jnp.bfloat16,
-    tail=3,
-    seed=6,
-    activation="gelu_tanh",
-    block_sizes=mg.BlockSizes(
-      num_sms=2,
-      deal_chunk=2,
-      dq_from_ds=dq_from_ds,
-      dq_fused=None if dq_from_ds else False,  # else the dQ kernel
-    ),
-  )
-  assert seen == ([128] if dq_from_ds else [128, 64])
-
-
-@pytest.mark.parametrize(
-  "h,dkv_split", [(64, 1), (128, 2)], ids=["d64", "d128_split"]
-)
-def test_fused_dq_interpret(h, dkv_split):
-  # dQ added by the dK/dV kernel (`dq_fused`): seq 0's 200 keys span two
-  # 128-key tiles (dQ gets an add from each; the first starts off the
-  # 8-row grid), seq 2's 66 keys leave the second warpgroup of their tile
-  # without keys (it still takes its turns at dQ's columns), seq 4 has
-  # queries but no keys and seq 3 keys but no queries. Keys outside a
-  # sequence (other sequences' rows inside a key tile) must add nothing.
-  # Head dim 64: the one column block goes to the warpgroups in turn; 128:
-  # a block each, and each key tile's query stream cut in 2 parts.
-  _check_case(
-    [70, 3, 9, 0, 5],
-    [200, 1, 66, 7, 0],
-    n=4,
-    kh=2,
+    q_lens,
+    kv_lens,
+    n=n,
+    kh=kh,
     h=h,
     dtype=jnp.bfloat16,
     tail=3,
-    seed=7,
-    activation="gelu",
-    block_sizes=mg.BlockSizes(
-      num_sms=2, deal_chunk=2, dq_fused=True, dkv_split=dkv_split
-    ),
+    seed=sorted(CROSS_CASES).index(case),
+    activation=activation,
+    block_sizes=bs,
   )
+  assert seen == key_tiles
 
 
 def test_key_tile_and_query_layout_choice():
@@ -450,13 +440,19 @@ def test_dispatch():
     gdpa(x, x[:, :1], x[:, :1], off, off, activation="relu")
 
 
-# Real compilation on the H200 (`pytest -m gpu`), the seed's shapes.
+# Real compilation on the H200 (`pytest -m gpu`), the seed's shapes; the
+# "cross_fused" ones with dQ added by the dK/dV kernel through TMA
+# reduce-add (which interpret mode replaces by per-item slices) where the
+# default reads it back from dS^T (pooled and self-attention take it by
+# default).
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "shape,activation,normalize,h",
   [
     ("cross", "gelu", None, 128),
     ("cross", "gelu_tanh", None, 64),
+    ("cross_fused", "gelu_tanh", None, 64),
+    ("cross_fused", "gelu_tanh", None, 128),
     ("pooled", "silu", "hstu", 128),
     ("self", "gelu", None, 128),
   ],
@@ -464,9 +460,10 @@ def test_dispatch():
 def test_gpu_matches_reference(shape, activation, normalize, h):
   rng = np.random.default_rng(h + len(shape) + len(activation))
   b = 12
-  if shape == "cross":
+  bs = mg.BlockSizes(dq_fused=True) if shape == "cross_fused" else None
+  if shape.startswith("cross"):
     q_lens = rng.integers(1, 2049, b)
-    kv_lens = rng.choice([16, 64, 256], b)
+    kv_lens = rng.choice([16, 64, 200, 256], b)
   elif shape == "pooled":
     q_lens = rng.integers(1, 33, b)
     kv_lens = np.clip(rng.lognormal(np.log(600), 0.7, b), 1, 2048).astype(int)
@@ -485,30 +482,7 @@ def test_gpu_matches_reference(shape, activation, normalize, h):
     seed=11,
     activation=activation,
     normalize=normalize,
-  )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("h", [64, 128])
-def test_gpu_fused_dq_matches_reference(h):
-  # dQ added by the dK/dV kernel through TMA reduce-add (which interpret
-  # mode replaces by per-item slices): cross-attention over 16-256 keys.
-  rng = np.random.default_rng(h)
-  b = 12
-  q_lens = rng.integers(1, 2049, b)
-  kv_lens = rng.choice([16, 64, 200, 256], b)
-  q_lens[:2], kv_lens[:2] = [0, 1], [5, 0]
-  _check_case(
-    list(q_lens),
-    list(kv_lens),
-    n=8,
-    kh=2,
-    h=h,
-    dtype=jnp.bfloat16,
-    tail=37,
-    seed=12,
-    activation="gelu_tanh",
-    block_sizes=mg.BlockSizes(dq_fused=True),
+    block_sizes=bs,
   )
 
 
