@@ -35,7 +35,10 @@ below is the request index of every history event (a segment id).
 
 Index-only building (O4): steps 1-4 only ever produce a new *index array*
 (int64 positions into the log) and read the one or two columns they need
-through it; step 5 is the single gather of all feature columns. The naive
+through it; step 5 is the single gather of all feature columns. Segments
+are tracked by their offsets, not by a segment id per event, and masks are
+applied by `np.compress` (for random masks several times faster than
+boolean indexing, which branches per element). The naive
 version (`build_sequences_naive`, kept for the benchmark and as a test
 oracle) materialises every column after each of steps 1, 2 and 3 - three
 full copies of `n_columns x events`, which is what OneTrans V3.1 removed.
@@ -55,26 +58,44 @@ def _add(counters, key, n):
     counters[key] = counters.get(key, 0) + int(n)
 
 
-def segment_starts(seg: np.ndarray, num: int) -> np.ndarray:
-  """Offsets int64[num+1] of a sorted segment-id array."""
-  counts = np.bincount(seg, minlength=num)
-  return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+def _offsets(lengths) -> np.ndarray:
+  """Offsets int64[r+1] of segments of `lengths`."""
+  out = np.zeros(len(lengths) + 1, np.int64)
+  np.cumsum(lengths, out=out[1:])
+  return out
 
 
-def dedup_mask(seg, item, action, rule: str) -> np.ndarray:
-  """bool[t]: events that survive the dedup rule (inputs in time order)."""
-  n = seg.shape[0]
+def segment_counts(keep: np.ndarray, starts: np.ndarray) -> np.ndarray:
+  """int64[r]: True entries of `keep` in each segment (offsets `starts`)."""
+  lens = np.diff(starts)
+  nz = lens > 0
+  counts = np.zeros(lens.shape[0], np.int64)
+  counts[nz] = np.add.reduceat(keep, starts[:-1][nz], dtype=np.int32)
+  return counts
+
+
+def segment_ids(starts: np.ndarray) -> np.ndarray:
+  """int64[t]: the segment of every element, from offsets `starts`."""
+  return np.repeat(
+    np.arange(starts.shape[0] - 1, dtype=np.int64), np.diff(starts)
+  )
+
+
+def dedup_mask(starts, item, action, rule: str) -> np.ndarray:
+  """bool[t]: events that survive the dedup rule (inputs in time order,
+  segments at offsets `starts`)."""
+  n = item.shape[0]
   if rule == "none" or n == 0:
     return np.ones(n, bool)
   if rule == "consecutive":
-    keep = np.ones(n, bool)
-    keep[1:] = (
-      (seg[1:] != seg[:-1])
-      | (item[1:] != item[:-1])
-      | (action[1:] != action[:-1])
-    )
+    keep = np.empty(n, bool)
+    np.not_equal(item[1:], item[:-1], out=keep[1:])
+    keep[1:] |= action[1:] != action[:-1]
+    first = starts[:-1]
+    keep[first[first < n]] = True  # a segment's first event
     return keep
   # Keep the newest per group: sort by (seg, group, position), last of a run.
+  seg = segment_ids(starts)
   keys = (seg, item) if rule == "item" else (seg, item, action)
   pos = np.arange(n)
   order = np.lexsort((pos,) + keys[::-1])
@@ -105,47 +126,37 @@ def quota_keep(counts_ra: np.ndarray, cfg: DataConfig) -> np.ndarray:
   return keep
 
 
-def newest_mask(seg, group, keep_rg, counts_rg=None) -> np.ndarray:
-  """bool[t]: in each (seg, group) run keep its newest keep_rg[seg, group].
+def _quota_and_truncate(starts, action, cfg, counters):
+  """(bool[t], int64[r]): the events kept by the action quota, then the
+  max length cut (newest kept), and the kept count of every segment.
+  Events whose action is not an action id (-1: dropped before) are not.
 
-  seg: int[t] sorted, events in time order inside a segment; group: small
-  ints (int8) in [0, G); keep_rg: int[r, G]. One stable counting sort by
-  group (numpy's radix sort for 8-bit keys) ranks every event among all
-  events of its group in array order; a (seg, group) run is then a
-  contiguous rank interval ending at end[seg, group] (exclusive), so event i
-  is among the newest k of its run iff rank_i >= end[seg_i, group_i] - k.
-  """
-  r, g = keep_rg.shape
-  n = seg.shape[0]
-  if counts_rg is None:
-    counts_rg = np.bincount(seg * g + group, minlength=r * g).reshape(r, g)
-  order = np.argsort(group, kind="stable")
-  rank = np.empty(n, np.int64)
-  rank[order] = np.arange(n)
-  group_start = np.concatenate([[0], np.cumsum(counts_rg.sum(0))[:-1]])
-  end = np.cumsum(counts_rg, axis=0) + group_start[None, :]
-  thresh = (end - keep_rg).reshape(-1)
-  return rank >= thresh[seg * g + group]
-
-
-def _quota_and_truncate(seg, action, cfg, r, counters):
-  """bool[t]: events kept by the action quota, then the max length cut."""
-  a = len(ACTIONS)
-  action = action.astype(np.int8)
-  counts = np.bincount(seg * a + action, minlength=r * a).reshape(r, a)
+  Per action a, `flatnonzero(action == a)` lists its events in array
+  order, so a segment's a-events are a slice of that list (found by
+  `searchsorted` at the segment offsets) and the newest k of them are the
+  slice's last k: no per-event segment ids, no sort."""
+  n = action.shape[0]
+  pos = [np.flatnonzero(action == i) for i in range(len(ACTIONS))]
+  hi = np.stack([np.searchsorted(p, starts) for p in pos], 1)  # [r+1, A]
+  counts = np.diff(hi, axis=0)
   keep = quota_keep(counts, cfg)
   for i, name in enumerate(ACTIONS):
     _add(counters, f"quota_dropped_{name}", (counts[:, i] - keep[:, i]).sum())
-  mask = newest_mask(seg, action, keep, counts)
-  # Max length, newest kept: rank kept events inside their segment.
+  mask = np.zeros(n, bool)
+  for i, p in enumerate(pos):
+    mask[p[ranges(hi[1:, i] - keep[:, i], hi[1:, i])]] = True
+  del pos
   kept = keep.sum(1)
-  over = kept > cfg.max_seq_len
-  if over.any():
-    _add(counters, "truncated_requests", over.sum())
-    _add(counters, "truncated_events", (kept[over] - cfg.max_seq_len).sum())
-    c = np.cumsum(mask)  # kept events up to and including here
-    mask &= c > (np.cumsum(kept) - cfg.max_seq_len)[seg]
-  return mask
+  over = np.flatnonzero(kept > cfg.max_seq_len)
+  if over.size:
+    # Max length, newest kept: drop each long segment's oldest kept events.
+    cut = kept[over] - cfg.max_seq_len
+    _add(counters, "truncated_requests", over.size)
+    _add(counters, "truncated_events", cut.sum())
+    first = (np.cumsum(kept) - kept)[over]
+    mask[np.flatnonzero(mask)[ranges(first, first + cut)]] = False
+    kept = np.minimum(kept, cfg.max_seq_len)
+  return mask, kept
 
 
 def _windows(log: EventLog, req: Requests, cfg, counters):
@@ -179,18 +190,24 @@ def build_sequences(
     method = "positions" if cfg.dedup in ("none", "consecutive") else "mask"
   if method == "positions":
     return _build_positions(log, req, cfg, counters)
-  r = len(req)
   start, end = _windows(log, req, cfg, counters)
   idx = ranges(start, end)  # the one index array
-  seg = np.repeat(np.arange(r, dtype=np.int64), end - start)
+  starts = _offsets(end - start)
+  action = log.action[idx]
   if cfg.dedup != "none":
-    m = dedup_mask(seg, log.item[idx], log.action[idx], cfg.dedup)
+    m = dedup_mask(starts, log.item[idx], action, cfg.dedup)
     _add(counters, "dedup_dropped", m.size - m.sum())
-    idx, seg = idx[m], seg[m]
-  m = _quota_and_truncate(seg, log.action[idx], cfg, r, counters)
-  idx, seg = idx[m], seg[m]
+    # Dropped events leave the quota's per-action lists: no compaction.
+    np.copyto(action, -1, where=~m)
+    del m
+  m, kept = _quota_and_truncate(starts, action, cfg, counters)
+  del action
+  idx = np.compress(m, idx)
+  del m
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
-  return segment_starts(seg, r), cols, seg
+  del idx
+  starts = _offsets(kept)
+  return starts, cols, segment_ids(starts)
 
 
 def action_positions(log: EventLog, dedup: str) -> list[np.ndarray]:
@@ -281,27 +298,25 @@ def _build_positions(log, req, cfg, counters):
   seg = np.repeat(np.arange(r, dtype=np.int64), n_keep)
   idx = flat - np.repeat(shift, n_keep)
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
-  offsets = np.concatenate([[0], np.cumsum(n_keep)]).astype(np.int64)
-  return offsets, cols, seg
+  return _offsets(n_keep), cols, seg
 
 
 def build_sequences_naive(log, req, cfg, counters=None):
   """Same result as `build_sequences`, copying every column after each step."""
-  r = len(req)
   start, end = _windows(log, req, cfg, counters)
   idx = ranges(start, end)
-  seg = np.repeat(np.arange(r, dtype=np.int64), end - start)
+  starts = _offsets(end - start)
   cols = {k: v[idx] for k, v in log.columns().items()}  # copy 1: anti-leakage
   del idx
   if cfg.dedup != "none":
-    m = dedup_mask(seg, cols["item"], cols["action"], cfg.dedup)
+    m = dedup_mask(starts, cols["item"], cols["action"], cfg.dedup)
     _add(counters, "dedup_dropped", m.size - m.sum())
-    cols = {k: v[m] for k, v in cols.items()}  # copy 2: dedup
-    seg = seg[m]
-  m = _quota_and_truncate(seg, cols["action"], cfg, r, counters)
-  cols = {k: v[m] for k, v in cols.items()}  # copy 3: quota
-  seg = seg[m]
-  return segment_starts(seg, r), cols, seg
+    cols = {k: np.compress(m, v) for k, v in cols.items()}  # copy 2: dedup
+    starts = _offsets(segment_counts(m, starts))
+  m, kept = _quota_and_truncate(starts, cols["action"], cfg, counters)
+  cols = {k: np.compress(m, v) for k, v in cols.items()}  # copy 3: quota
+  starts = _offsets(kept)
+  return starts, cols, segment_ids(starts)
 
 
 def seq_features(offsets, cols, seg, req_ts, cfg) -> dict[str, np.ndarray]:

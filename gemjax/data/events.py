@@ -195,6 +195,9 @@ class Requests:
     )
 
 
+_RANGES_CHUNK = 1 << 16
+
+
 def ranges(start, end) -> np.ndarray:
   """Concatenation of arange(start[i], end[i]) (int64), vectorised."""
   start = np.asarray(start, np.int64)
@@ -202,9 +205,14 @@ def ranges(start, end) -> np.ndarray:
   total = int(lens.sum())
   if total == 0:
     return np.zeros(0, np.int64)
-  # Each run's first index minus the running position, repeated over the run.
+  # Each run's first index minus the running position, repeated over the
+  # run, plus the position (added in chunks: no second full-size array).
   csum = np.cumsum(lens) - lens
-  return np.repeat(start - csum, lens) + np.arange(total, dtype=np.int64)
+  out = np.repeat(start - csum, lens)
+  for c in range(0, total, _RANGES_CHUNK):
+    part = out[c : c + _RANGES_CHUNK]
+    part += np.arange(c, c + part.shape[0], dtype=np.int64)
+  return out
 
 
 # -- Readers --------------------------------------------------------------
