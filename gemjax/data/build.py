@@ -249,7 +249,6 @@ def _build_positions(log, req, cfg, counters):
   over a byte mask to restore time order: kept positions are set in a
   per-window bool buffer and read back with `flatnonzero`.
   """
-  r = len(req)
   start, end = _windows(log, req, cfg, counters)
   pos = action_positions(log, cfg.dedup)
   hi = np.stack([np.searchsorted(p, end) for p in pos], 1)  # [r, A]
@@ -293,12 +292,13 @@ def _build_positions(log, req, cfg, counters):
     n_a = hi[:, a] - lo[:, a]
     kept = p[ranges(lo[:, a], hi[:, a])]
     buf[kept + np.repeat(shift, n_a)] = True
-  flat = np.flatnonzero(buf)
+  idx = np.flatnonzero(buf)
   del buf
-  seg = np.repeat(np.arange(r, dtype=np.int64), n_keep)
-  idx = flat - np.repeat(shift, n_keep)
+  idx -= np.repeat(shift, n_keep)  # log positions
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
-  return _offsets(n_keep), cols, seg
+  del idx
+  offsets = _offsets(n_keep)
+  return offsets, cols, segment_ids(offsets)
 
 
 def build_sequences_naive(log, req, cfg, counters=None):
