@@ -20,8 +20,9 @@ Four figures, each with the issue's goal:
    traced memory (tracemalloc) of one call on 1,024 requests of the default
    2K traffic; with the log's five columns, and with eight extra feature
    columns as production logs carry. Two index-only variants: "mask" does
-   the same steps as the naive one on one index array (the like-for-like
-   O4 comparison); "positions" (the default path) answers anti-leakage,
+   the same steps as the naive one as masks over the windows' action and
+   item columns (the like-for-like O4 comparison, and the path for the
+   item dedup rules); "positions" (the default path) answers anti-leakage,
    dedup and quota from per-action position lists of the log with no pass
    over the raw window. Goal: >= 2x faster, <= 0.5x peak memory.
 4. Samples/s per core for 2K-event histories: requests whose users have

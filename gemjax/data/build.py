@@ -33,12 +33,11 @@ below is the request index of every history event (a segment id).
 5. One gather of every column at the surviving indices, then the context
    features of O3 (`features.context_features`).
 
-Index-only building (O4): steps 1-4 only ever produce a new *index array*
-(int64 positions into the log) and read the one or two columns they need
-through it; step 5 is the single gather of all feature columns. Segments
-are tracked by their offsets, not by a segment id per event, and masks are
-applied by `np.compress` (for random masks several times faster than
-boolean indexing, which branches per element). The naive
+Index-only building (O4): steps 1-4 only ever produce masks over (or
+positions in) the history windows, and read the one or two columns they
+need (action, item); step 5 turns the kept window positions into log
+positions and is the single gather of all feature columns. Segments are
+tracked by their offsets, not by a segment id per event. The naive
 version (`build_sequences_naive`, kept for the benchmark and as a test
 oracle) materialises every column after each of steps 1, 2 and 3 - three
 full copies of `n_columns x events`, which is what OneTrans V3.1 removed.
@@ -182,7 +181,7 @@ def build_sequences(
 
   columns: the log's columns gathered once at the kept events (`ts`, `item`,
   `category`, `action`, `price`, extras); seg int64[t]: request of each event.
-  method: "mask" (any dedup rule: masks over the window index array),
+  method: "mask" (any dedup rule: masks over the windows' columns),
   "positions" (dedup "none" / "consecutive": per-action position lists of
   the log, see `_build_positions`), "auto" (positions when it applies).
   """
@@ -191,23 +190,33 @@ def build_sequences(
   if method == "positions":
     return _build_positions(log, req, cfg, counters)
   start, end = _windows(log, req, cfg, counters)
-  idx = ranges(start, end)  # the one index array
-  starts = _offsets(end - start)
-  action = log.action[idx]
+  # Steps 2-4 are masks over the windows, laid end to end; only the two
+  # columns they read are copied out of the log, by slices.
+  wstart = _offsets(end - start)
+  action = _window_column(log.action, start, end)
   if cfg.dedup != "none":
-    m = dedup_mask(starts, log.item[idx], action, cfg.dedup)
+    item = _window_column(log.item, start, end)
+    m = dedup_mask(wstart, item, action, cfg.dedup)
+    del item
     _add(counters, "dedup_dropped", m.size - m.sum())
     # Dropped events leave the quota's per-action lists: no compaction.
     np.copyto(action, -1, where=~m)
     del m
-  m, kept = _quota_and_truncate(starts, action, cfg, counters)
+  m, kept = _quota_and_truncate(wstart, action, cfg, counters)
   del action
-  idx = np.compress(m, idx)
+  idx = np.flatnonzero(m)
   del m
+  idx -= np.repeat(wstart[:-1] - start, kept)  # log positions
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
   del idx
-  starts = _offsets(kept)
-  return starts, cols, segment_ids(starts)
+  offsets = _offsets(kept)
+  return offsets, cols, segment_ids(offsets)
+
+
+def _window_column(col, start, end) -> np.ndarray:
+  """`col` over the windows `[start, end)`, laid end to end."""
+  parts = [col[s:e] for s, e in zip(start.tolist(), end.tolist(), strict=True)]
+  return np.concatenate(parts) if parts else col[:0].copy()
 
 
 def action_positions(log: EventLog, dedup: str) -> list[np.ndarray]:
@@ -284,10 +293,9 @@ def _build_positions(log, req, cfg, counters):
     )
   n_keep = (hi - lo).sum(1)
   # Time order: mark kept positions in a bool buffer over all windows.
-  wlen = end - start
-  wstart = np.cumsum(wlen) - wlen
-  shift = wstart - start  # window buffer index = log position + shift[r]
-  buf = np.zeros(int(wlen.sum()), bool)
+  wstart = _offsets(end - start)
+  shift = wstart[:-1] - start  # window buffer index = log position + shift
+  buf = np.zeros(int(wstart[-1]), bool)
   for a, p in enumerate(pos):
     n_a = hi[:, a] - lo[:, a]
     kept = p[ranges(lo[:, a], hi[:, a])]
