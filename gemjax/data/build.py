@@ -204,8 +204,15 @@ def build_sequences(
     del m
   m, kept = _quota_and_truncate(wstart, action, cfg, counters)
   del action
-  idx = np.flatnonzero(m)
-  del m
+  return _gather_kept(log, m, start, wstart, kept)
+
+
+def _gather_kept(log, keep_w, start, wstart, kept):
+  """(offsets, columns, seg) of the events marked in `keep_w` (bool over
+  the windows `[start, end)` laid end to end from offsets `wstart`;
+  `kept[r]` of them in window r): their log positions, then the one
+  gather of every column."""
+  idx = np.flatnonzero(keep_w)
   idx -= np.repeat(wstart[:-1] - start, kept)  # log positions
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
   del idx
@@ -300,13 +307,7 @@ def _build_positions(log, req, cfg, counters):
     n_a = hi[:, a] - lo[:, a]
     kept = p[ranges(lo[:, a], hi[:, a])]
     buf[kept + np.repeat(shift, n_a)] = True
-  idx = np.flatnonzero(buf)
-  del buf
-  idx -= np.repeat(shift, n_keep)  # log positions
-  cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
-  del idx
-  offsets = _offsets(n_keep)
-  return offsets, cols, segment_ids(offsets)
+  return _gather_kept(log, buf, start, wstart, n_keep)
 
 
 def build_sequences_naive(log, req, cfg, counters=None):

@@ -140,6 +140,21 @@ def test_index_only_and_naive_match_reference(dedup, quota, max_len):
     assert counters.get("empty_history", 0) == empty
 
 
+def test_no_requests_give_empty_sequences():
+  log, req = random_case(5)
+  none = req.take(np.zeros(0, np.int64))
+  for fn in (
+    build.build_sequences_naive,
+    lambda *a: build.build_sequences(*a, method="mask"),
+    lambda *a: build.build_sequences(*a, method="positions"),
+  ):
+    offsets, cols, seg = fn(log, none, DataConfig(dedup="consecutive"))
+    np.testing.assert_array_equal(offsets, [0])
+    assert seg.shape == (0,)
+    for k, v in log.columns().items():
+      assert cols[k].shape == (0,) and cols[k].dtype == v.dtype, k
+
+
 def test_anti_leakage_is_strict_and_counted():
   log, req = random_case(3)
   cfg = DataConfig(dedup="none")
