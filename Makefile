@@ -20,7 +20,7 @@ train: $(VENV)/.installed
 	$(PY) -m gemjax.train --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(PY) -m pytest -n 2 -q
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
