@@ -204,16 +204,16 @@ def build_sequences(
     del m
   m, kept = _quota_and_truncate(wstart, action, cfg, counters)
   del action
-  return _gather_kept(log, m, start, wstart, kept)
+  return _gather_kept(log, m, wstart[:-1] - start, kept)
 
 
-def _gather_kept(log, keep_w, start, wstart, kept):
+def _gather_kept(log, keep_w, shift, kept):
   """(offsets, columns, seg) of the events marked in `keep_w` (bool over
-  the windows `[start, end)` laid end to end from offsets `wstart`;
-  `kept[r]` of them in window r): their log positions, then the one
-  gather of every column."""
+  the requests' windows laid end to end; window r's index = log position
+  + `shift[r]`; `kept[r]` marked in window r): their log positions, then
+  the one gather of every column."""
   idx = np.flatnonzero(keep_w)
-  idx -= np.repeat(wstart[:-1] - start, kept)  # log positions
+  idx -= np.repeat(shift, kept)  # log positions
   cols = {k: v[idx] for k, v in log.columns().items()}  # the one gather
   del idx
   offsets = _offsets(kept)
@@ -307,7 +307,7 @@ def _build_positions(log, req, cfg, counters):
     n_a = hi[:, a] - lo[:, a]
     kept = p[ranges(lo[:, a], hi[:, a])]
     buf[kept + np.repeat(shift, n_a)] = True
-  return _gather_kept(log, buf, start, wstart, n_keep)
+  return _gather_kept(log, buf, shift, n_keep)
 
 
 def build_sequences_naive(log, req, cfg, counters=None):

@@ -79,9 +79,10 @@ def _run_worker() -> dict:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-  """The worker's report. Under xdist the workers share one run (about 2
-  minutes on 2 cores): the first to get here runs it under a file lock in
-  the session's common temp directory, the others read its JSON."""
+  """The worker's report. Under xdist the workers share one run (80-120 s
+  on 2 cores): the first to get here runs it under a file lock in the
+  session's common temp directory, the others read its JSON (if that run
+  fails, the next worker runs it again)."""
   if "PYTEST_XDIST_WORKER" not in os.environ:
     return _run_worker()
   shared = tmp_path_factory.getbasetemp().parent  # this session's, per run

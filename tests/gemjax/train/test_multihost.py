@@ -124,40 +124,38 @@ def test_two_processes_train_like_one_device(tmp_path):
   )
   # Output goes to files, not pipes: a worker blocked on a full pipe that
   # nobody drains would stall its peer in the next collective.
-  procs, logs = [], []
+  procs = []
   for pid in range(2):
     env["GEMJAX_PROCESS_ID"] = str(pid)
-    out = open(tmp_path / f"worker{pid}.out", "w+")  # noqa: SIM115
-    err = open(tmp_path / f"worker{pid}.err", "w+")  # noqa: SIM115
-    logs.append((out, err))
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, "-m", "tests.gemjax.train.test_multihost", "worker"],
-        cwd=ROOT,
-        env=dict(env),
-        stdout=out,
-        stderr=err,
-        text=True,
+    with (
+      open(tmp_path / f"worker{pid}.out", "w") as out,
+      open(tmp_path / f"worker{pid}.err", "w") as err,
+    ):
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, "-m", "tests.gemjax.train.test_multihost", "worker"],
+          cwd=ROOT,
+          env=dict(env),
+          stdout=out,
+          stderr=err,
+        )
       )
-    )
   ref_losses, ref_params = _reference()  # while the workers compile
   deadline = time.monotonic() + 300
   outs = []
   try:
-    for p, (out, err) in zip(procs, logs, strict=True):
+    for pid, p in enumerate(procs):
       p.wait(timeout=max(deadline - time.monotonic(), 1))
-      out.seek(0)
-      err.seek(0)
-      assert p.returncode == 0, err.read()[-4000:]
-      line = next(x for x in out.read().splitlines() if x.startswith("RESULT "))
+      err = (tmp_path / f"worker{pid}.err").read_text()
+      assert p.returncode == 0, err[-4000:]
+      out = (tmp_path / f"worker{pid}.out").read_text()
+      line = next(x for x in out.splitlines() if x.startswith("RESULT "))
       outs.append(json.loads(line[len("RESULT ") :]))
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.wait()
-    for f in (f for pair in logs for f in pair):
-      f.close()
   assert sorted(o["process"] for o in outs) == [0, 1]
   for o in outs:
     np.testing.assert_allclose(o["losses"], ref_losses, rtol=1e-5)
