@@ -23,6 +23,9 @@ kernels alone (matmul on quantized inputs; quantize with and without
 Hadamard, as a fraction of the copy bandwidth measured here).
 `--qgemm-sweep`: the GEMM that quantizes bf16 x itself, per configuration
 (clusters multicasting the weight tiles), against quantize pass + GEMM.
+`--norm-dense`: RMSNorm (residual add, gain) feeding the dense layer, as the
+model's blocks run it (`bench_norm_dense`): there the activation is quantized
+by the norm kernel, so the FP8 GEMM reads 8-bit input with no pass of its own.
 
 Timing: a measurement is `common.device_time` over back-to-back calls (inputs
 rotated between two sets), so launch gaps overlap: since 2026-12-01 the
@@ -55,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks import common
-from pallas_kernels import fp8
+from pallas_kernels import Fp8Output, fp8, rms_norm, rms_norm_reference
 from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
 from pallas_kernels.fp8 import reference as ref
 
@@ -557,6 +560,126 @@ def bench_quantize(b: Bench, m, k, n, copy_bw):
     b.run(f"{case} {label}", quant_case)
 
 
+def bench_norm_dense(b: Bench, m, k, n):
+  """`y, h = rms_norm(x, gamma, residual)` then `y w`, as every FP8 dense
+  layer behind a norm in the model runs (`gemjax.model.layers`), at the
+  shape `x [m, k]`, `w [k, n]`. Against XLA's norm (one fusion) and cuBLAS
+  bf16: our norm kernel with its output quantized in the same kernel
+  (`quantize=`, what the model does) and the FP8 GEMM; our norm in bf16 and
+  the FP8 op quantizing it (its own quantize pass, or the quantizing GEMM
+  at n <= 512); our norm and cuBLAS bf16. Weights quantized once per step
+  beforehand, as in `bench_shape`. Forward, then the backward (pullback on
+  saved residuals, w.r.t. x, residual, gamma and w, cotangents for y w and
+  h), all variants timed in alternation (`common.time_interleaved`)."""
+  case = f"{m}x{k}x{n} rmsnorm+dense"
+  print(f"== {case}", flush=True)
+  sets = []
+  for s in (0, 1):
+    x, w, dy = _inputs(m, k, n, s)
+    kr, kg, kh = jax.random.split(jax.random.key(50 + s), 3)
+    r = jax.random.normal(kr, (m, k), BF16)
+    g = (1 + 0.1 * jax.random.normal(kg, (k,), jnp.float32)).astype(BF16)
+    dh = jax.random.normal(kh, (m, k), BF16)
+    sets.append((x, r, g, w, dy, dh))
+  q8 = Fp8Output(format="deepseek")
+
+  def xla(x, r, g, w):
+    y, h = rms_norm_reference(x, g, r)
+    return jnp.dot(y, w), h
+
+  def ours_bf16(x, r, g, w):
+    y, h = rms_norm(x, g, r)
+    return jnp.dot(y, w), h
+
+  def ours_fp8(x, r, g, wq, fused=True, impl=None):
+    y, h = rms_norm(
+      x, g, r, quantize=q8 if fused else None, implementation=impl
+    )
+    return fp8.fp8_dot_general(y, wq, DN, implementation=impl), h
+
+  base = "xla: rms_norm + bf16 dot (cuBLAS)"
+  variants = {
+    base: (xla, False),
+    "ours: norm -> fp8 in one kernel, fp8 GEMM": (ours_fp8, True),
+    "ours: norm, fp8 op quantizes": (
+      functools.partial(ours_fp8, fused=False),
+      True,
+    ),
+    "ours: norm, bf16 dot (cuBLAS)": (ours_bf16, False),
+  }
+  qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+  wqs = [qw(w) for _, _, _, w, _, _ in sets]
+
+  # Correctness at this shape: the fused path against the same math in XLA
+  # (reference norm with its FP8 output, XLA FP8 matmul) and against f32.
+  x0, r0, g0, w0, _, _ = sets[0]
+  got = jax.jit(ours_fp8)(x0, r0, g0, wqs[0])[0]
+  want = jax.jit(functools.partial(ours_fp8, impl="xla"))(x0, r0, g0, wqs[0])[0]
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  exact = jax.jit(
+    lambda x, r, g, w: jnp.dot(
+      rms_norm_reference(f32(x), f32(g), f32(r))[0],
+      f32(w),
+      precision=lax.Precision.HIGHEST,
+    )
+  )(x0, r0, g0, w0)
+  label = "ours: norm -> fp8 in one kernel, fp8 GEMM"
+  b.add(case, label, "fwd err vs ref", _rel(got, want))
+  b.add(case, label, "fwd err vs f32", _rel(got, exact))
+
+  def fwd_args(fp8_w):
+    return [
+      (x, r, g, wq if fp8_w else w)
+      for (x, r, g, w, _, _), wq in zip(sets, wqs, strict=True)
+    ]
+
+  runs = {
+    name: (jax.jit(fn), fwd_args(fp8_w))
+    for name, (fn, fp8_w) in variants.items()
+  }
+  _record_interleaved(b, case, "fwd", runs, base)
+  if NO_BWD:
+    return
+
+  def pullback(fn, fp8_w, x, r, g, w):
+    if not fp8_w:
+      return _pullback(fn, x, r, g, w)
+    wq = qw(w)
+    return _pullback(
+      lambda x, r, g, w: fn(x, r, g, dataclasses.replace(wq, source=w)),
+      x, r, g, w,
+    )  # fmt: skip
+
+  runs = {
+    name: (
+      _apply,
+      [
+        (pullback(fn, fp8_w, x, r, g, w), (dy, dh))
+        for x, r, g, w, dy, dh in sets
+      ],
+    )
+    for name, (fn, fp8_w) in variants.items()
+  }
+  _record_interleaved(b, case, "bwd", runs, base)
+
+
+def _record_interleaved(b: Bench, case, kind, runs, base):
+  """Time `runs` in alternation; each one's `{kind} ms` against `base`'s."""
+  times = common.time_interleaved(runs, skip_failures=True)
+  for label, t in times.items():
+    b.add(
+      case,
+      label,
+      f"{kind} ms",
+      t * 1e3,
+      baseline=None if label == base else base,
+      baseline_value=None if label == base else times[base] * 1e3,
+      lower_is_better=True,
+    )
+    if label != base:
+      b.add(case, label, f"{kind} speedup", times[base] / t, baseline=base)
+
+
 def _sweep_configs():
   """(name, kb, BlockSizes, b_scale_uniform) of the matmul tile sweep."""
   B, D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
@@ -870,6 +993,11 @@ def main(argv=None):
     help="only the quantizing GEMM's sweep (--sweep-filter applies)",
   )
   p.add_argument(
+    "--norm-dense",
+    action="store_true",
+    help="only RMSNorm feeding the dense layer, per shape",
+  )
+  p.add_argument(
     "--quant-sweep",
     action="store_true",
     help="only the quantize kernel sweep (--sweep-filter applies)",
@@ -908,16 +1036,21 @@ def main(argv=None):
     NO_BWD = args.no_bwd or (
       bwd_shapes is not None and (m, k, n) not in bwd_shapes
     )
+    nd = functools.partial(bench_norm_dense, b, m, k, n)
     if args.quant_only:
       bench_quantize(b, m, k, n, copy_bw)
+    elif args.norm_dense:
+      b.run(f"{m}x{k}x{n} norm+dense", nd)
     else:
       bench_shape(b, m, k, n, copy_bw)
+      b.run(f"{m}x{k}x{n} norm+dense", nd)
     _save(b.records, args.out)
   if (
     not args.no_sweep
     and not args.sweep_only
     and not args.quant_sweep
     and not args.qgemm_sweep
+    and not args.norm_dense
     and time.perf_counter() - t0 < args.max_seconds
   ):
     sweep(b, args.sweep_filter)
