@@ -14,6 +14,13 @@ Each of our kernels is timed in alternation with XLA's (7 rounds of
 `common.device_time` with 30 calls for each; `common.time_interleaved`) and
 the speedup is the ratio of the two medians.
 
+The forward with its output also quantized for an FP8 matmul (e4m3 values
+and a power-of-two scale per 1x128 block, G4; --fp8, also part of a full
+run): ours fused in the one kernel, against our kernel followed by the
+quantize kernel (what the op did before it fused) and XLA's reference with
+its quantization; bytes are the forward's plus the values (1 byte each) and
+scales. With --variants, fused tile settings too (`FP8_VARIANTS`).
+
 Also timed, to show where the time goes (--parts): the same pipeline moving
 tiles without computing ("copy through SMEM"), the forward without
 residual, XLA's copy of x; with --variants, forward pipeline variants
@@ -21,7 +28,7 @@ residual, XLA's copy of x; with --variants, forward pipeline variants
 recorded as their own impls, and the copy through each pipeline.
 
   PYTHONPATH=. python benchmarks/rms_norm.py [--out DIR] [--parts]
-      [--variants] [--sweep]
+      [--variants] [--sweep] [--fp8] [--ds 512,2048]
   PYTHONPATH=. python benchmarks/rms_norm.py --small   # CPU, interpreted
 """
 
@@ -35,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks import common
-from pallas_kernels import mosaic
+from pallas_kernels import fp8, mosaic
 from pallas_kernels.rms_norm import mosaic_gpu as mg
 from pallas_kernels.rms_norm.reference import rms_norm_reference
 
@@ -220,6 +227,13 @@ VARIANTS = {
     F,
   ),
 }
+# Fused FP8 output settings timed by --fp8 --variants, against the default.
+FP8_VARIANTS = {
+  "fused, 2 stages": B(max_stages=2),
+  "fused, 8 KiB tiles": B(tile_bytes=8 * 1024),
+  "fused, 32 KiB tiles": B(tile_bytes=32 * 1024),
+  "fused, 3 output slots, 2 stages": B(out_slots=3, max_stages=2),
+}
 # The same pipelines moving x -> y without compute (D=2048's 2.1 GB).
 COPY_VARIANTS = {
   "ring, no PDL, no balance": B(direct_loads=False, pdl=False, balance=False),
@@ -326,6 +340,86 @@ def measure(
           goal=GOAL_COPY_FRACTION,  # bounds the ratio: fraction of copy
         ),
       ]
+
+
+def measure_fp8(c: Case, copy_bw: float, records: list, variants: dict):
+  """The forward with the FP8 output (1x128 blocks), fused, against our
+  kernel then the quantize kernel, and XLA's reference with quantization;
+  all timed in alternation. Checks first that the fused values and scales
+  are those of quantizing the fused kernel's own `y`."""
+  d = c.d
+  case = f"T={T} D={d} bf16 residual+gamma fwd+fp8"
+
+  def fused_fn(bs):
+    cfg = mg.make_config(
+      T, d, DTYPE, DTYPE, True, 1e-6, bs, INTERPRET, bwd=False, quantize=True
+    )
+    return jax.jit(lambda x, r, g: mg.rms_norm_fwd(x, g, r, cfg))
+
+  plain = c.cfg(None, bwd=False)
+
+  def unfused(x, r, g):
+    y, h = mg.rms_norm_fwd(x, g, r, plain)
+    q = fp8.quantize(y, axis=1, implementation="mosaic")
+    return y, h, q.values, q.scales
+
+  def xla(x, r, g):
+    yq, h = rms_norm_reference(x, g, r, quantize="deepseek")
+    return yq.source, h, yq.values, yq.scales
+
+  x, r, g = c.fwd_args[0]
+  y, _, v, sc = fused_fn(None)(x, r, g)
+  again = fp8.quantize(y, axis=1, implementation="xla")
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  same = {
+    "values equal": float(jnp.mean(f32(v) == f32(again.values))),
+    "scales equal": float(jnp.mean(sc == again.scales)),
+  }
+  print(f"  D={d} fp8 output:", same)
+  for metric, value in same.items():
+    records.append(
+      common.record("rms_norm", case, "mosaic fused", metric, value)
+    )
+  runs = {
+    "mosaic fused (default)": (fused_fn(None), c.fwd_args),
+    "mosaic norm, then quantize kernel": (jax.jit(unfused), c.fwd_args),
+    "xla: jit(reference, quantize)": (jax.jit(xla), c.fwd_args),
+  }
+  runs |= {k: (fused_fn(bs), c.fwd_args) for k, bs in variants.items()}
+  times = common.time_interleaved(
+    runs, rounds=REPEATS, calls=CALLS, skip_failures=True
+  )
+  nb = 4 * c.tensor + d * 2 + T * d + T * (d // 128) * 4
+  t_un = times["mosaic norm, then quantize kernel"]
+  t_x = times["xla: jit(reference, quantize)"]
+  for impl, t in times.items():
+    rec = functools.partial(common.record, "rms_norm", case, impl)
+    print(
+      f"  D={d} fwd+fp8 {impl:40s} {t * 1e3:7.4f} ms"
+      f" {nb / t / copy_bw:6.1%} of copy, {t_un / t:5.3f}x unfused,"
+      f" {t_x / t:5.3f}x xla",
+      flush=True,
+    )
+    records.append(rec("ms", t * 1e3, lower_is_better=True))
+    records.append(
+      rec(
+        "TB/s",
+        nb / t / 1e12,
+        baseline="device copy TB/s",
+        baseline_value=copy_bw / 1e12,
+      )
+    )
+    if impl.startswith("mosaic fused"):
+      records.append(
+        rec(
+          "speedup vs unfused",
+          t_un / t,
+          baseline="mosaic norm, then quantize kernel",
+        )
+      )
+      records.append(
+        rec("speedup vs xla", t_x / t, baseline="xla: jit(reference, quantize)")
+      )
 
 
 def _two_in_two_out(c: Case, case: str, t_ref: float, copy_bw, records):
@@ -440,8 +534,14 @@ def main():
     "--variants", action="store_true", help="forward pipeline variants"
   )
   ap.add_argument("--small", action="store_true", help="tiny run (CPU)")
+  ap.add_argument(
+    "--fp8", action="store_true", help="only the forward with FP8 output"
+  )
+  ap.add_argument("--ds", default=None, help="widths, e.g. 512,2048")
   args = ap.parse_args()
   global T, DS, INTERPRET, CALLS, REPEATS
+  if args.ds:
+    DS = tuple(int(d) for d in args.ds.split(","))
   if args.small:
     T, DS, INTERPRET = 100, (512,), jax.default_backend() != "gpu"
     CALLS, REPEATS = 1, 1
@@ -473,7 +573,9 @@ def main():
   for d in DS:
     c = Case(d)
     details[f"errors_d{d}"] = check(c)
-    measure(c, copy_bw, records, rows, VARIANTS if args.variants else {})
+    if not args.fp8:
+      measure(c, copy_bw, records, rows, VARIANTS if args.variants else {})
+    measure_fp8(c, copy_bw, records, FP8_VARIANTS if args.variants else {})
     if args.parts:
       # The copy variants at the larger size only (the one the fit of
       # fixed vs streaming cost leans on).

@@ -76,19 +76,30 @@ Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
 scale per 1x128 block `s [t, d/128]` (the "deepseek" activation format of
 `pallas_kernels.fp8`), so the next matmul reads 8 bits per element instead
-of re-reading `y` to quantize it. From the `y` registers (rounded to the
-output dtype first, so the result is bit-identical to `fp8.quantize` of the
-returned `y`): the maximum of each 128-column block of a row is a row
-reduction of `|y|` masked to that block (`d/128` masked reductions; the row
-layout cannot be reshaped to `[m, d/128, 128]` in registers, and the GPU
-interpreter rejects reshaped shared-memory views), then the scales and the
-rounding use `pallas_kernels.fp8.format`'s integer arithmetic. Values
-`[m, d]` and scales `[d/128, m]` per tile leave by bulk copy with `y`; the
-scales go to an array of whole tiles (a bulk copy moves a multiple of 16
-bytes, which a ragged tail of `(t mod m)·d/128` f32 need not be), which the
-caller transposes to `[t, d/128]` and cuts (1/64 of `y`'s bytes at bf16).
-Cost: about `2·d/128` selects and `d/128` row reductions per element on top
-of the ~30 integer operations of the rounding, on data already in registers.
+of re-reading `y` to quantize it. The kernel then sees every `[t, d]` array
+as `[t, d/128, 128]` (a free reshape outside) and holds a tile in the block
+layout (`_block_layout`): lanes still own 16 contiguous bytes, and each
+1x128 block lies inside one warp, so the row's sum of squares is a
+reduction over axes 1 and 2 and a block's maximum one over axis 2, both
+warp shuffles. From the `y` registers (rounded to the output dtype first,
+so the result is bit-identical to `fp8.quantize` of the returned `y`):
+`pow2_scale` of the block maxima, then the hardware conversion to e4m3
+(round to nearest even, as `fp8.quantize_mgpu`). Values leave with `y` and
+`h`; the scales, `[m, d/128]` per tile, go to an array of whole tiles (a
+bulk copy moves a multiple of 16 bytes, which a ragged tail need not be),
+transposed where `d/128` f32 are not a multiple of 16 bytes
+(`_Config.scales_transposed`). The first form (the `[m, d]` row layout,
+each block's maximum a masked reduction over the whole row, integer
+rounding) cost `O(d/128)` work per element: at T=16,384, D=4,096 its
+norm and FP8 matmul took 3.03 ms against 0.61 ms with the quantize kernel
+after the plain norm (H200, 2026-12-03, `benchmarks/fp8_matmul.py
+--norm-dense`). Measured (H200, 2026-12-03, `benchmarks/rms_norm.py --fp8
+--variants --ds 512,2048,4096`, T=262,144, residual and gamma, bytes of
+x, r, y, h, values and scales): 86.8% / 89.5% / 89.5% of copy at D=512 /
+2,048 / 4,096, 1.17x / 1.18x / 1.20x the plain kernel followed by the
+quantize kernel, 1.73x / 1.73x / 1.71x XLA's reference with its
+quantization; the tile settings of `FP8_VARIANTS` there within 1% (8 KiB
+tiles at D=512: 76%).
 """
 
 import dataclasses
@@ -219,6 +230,42 @@ def _min_rows(d: int, itemsize: int, wpr: int = 1) -> int:
   return 4 * (32 // min(32, d // _vec(itemsize))) // wpr
 
 
+def _block_split(q: int, itemsize: int, wpr: int):
+  """How the block layout (`_block_layout`) spreads a tile `[m, q, 128]`
+  over the 128 threads: its unit `(rows, blocks)` (tiles have a multiple
+  of its rows), the 4 warps as `(rows, blocks)`, and the lanes that do not
+  run along a block (`32 / (128 / vec)`) as `(rows, blocks)`."""
+  lanes = 32 // (QUANT_BLOCK // _vec(itemsize))  # lanes not along a block
+  wq = wpr  # warps sharing a row split its blocks
+  lq = lanes if q % (wq * lanes) == 0 else 1
+  lr = lanes // lq
+  wr = 4 // wq
+  return (wr * lr, wq * lq), (wr, wq), (lr, lq)
+
+
+def _block_layout(q: int, itemsize: int, wpr: int) -> plgpu.Layout:
+  """Registers of a tile viewed as `[m, q, 128]` (row, 1x128 block of the
+  row, column in the block): lanes own 16 contiguous bytes as in
+  `_row_layout` (a warp reads 512 contiguous bytes), and a block lies in
+  one warp (16 lanes of 8 bf16, or 32 of 4 f32), so its maximum is a
+  reduction over axis 2 (shuffles inside the warp) and the row's sum over
+  axes 1 and 2. With `wpr = 2` two warps split a row's blocks.
+
+  Tiled shape `[m/tr, q/tq, 1, wr, wq, 128/vec, lr, lq, vec]`."""
+  vec = _vec(itemsize)
+  (tr, tq), (wr, wq), (lr, lq) = _block_split(q, itemsize, wpr)
+  tiling = fa.Tiling(((tr, tq, QUANT_BLOCK), (lr, lq, vec)))
+  warp_dims = (-6,) + ((-5,) if wq > 1 else ())
+  lane_dims = ((-3,) if lr > 1 else ()) + ((-2,) if lq > 1 else ()) + (-4,)
+  # Mosaic takes the form without the unit dimensions.
+  c = fa.TiledLayout(
+    tiling, warp_dims, lane_dims, vector_dim=-1, _check_canonical=False
+  ).canonicalize()
+  return plgpu.Layout.TILED(
+    c.tiling, warp_dims=c.warp_dims, lane_dims=c.lane_dims, vector_dim=-1
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static settings of one kernel instance (hashable)."""
@@ -246,6 +293,20 @@ class _Config:
     return self.d // QUANT_BLOCK
 
   @property
+  def scales_transposed(self) -> bool:
+    """The fused output's scales leave a tile as `[d/128, m]` instead of
+    `[m, d/128]`: a bulk copy moves rows of 16-byte multiples, which
+    `d/128` f32 are not unless `d % 512 == 0` (then `m % 4 == 0` instead,
+    `make_config`)."""
+    return self.q_blocks % 4 != 0
+
+  @property
+  def scales_tile(self) -> tuple[int, int]:
+    """One tile's scales as they leave: `[m, d/128]` or transposed."""
+    m, q = self.block_rows, self.q_blocks
+    return (q, m) if self.scales_transposed else (m, q)
+
+  @property
   def num_tiles(self) -> int:
     return pl.cdiv(self.t, self.block_rows)
 
@@ -254,8 +315,19 @@ class _Config:
     return self.t % self.block_rows != 0
 
   @property
+  def tile_shape(self) -> tuple[int, ...]:
+    """A tile in registers and shared memory: `[m, d]` rows, or with the
+    fused FP8 output `[m, d/128, 128]` (`_block_layout`); the arrays are
+    viewed the same way outside the kernel (a free reshape)."""
+    if self.quantize:
+      return (self.block_rows, self.q_blocks, QUANT_BLOCK)
+    return (self.block_rows, self.d)
+
+  @property
   def layout(self):
     itemsize = jnp.dtype(self.dtype).itemsize
+    if self.quantize:
+      return _block_layout(self.q_blocks, itemsize, self.warps_per_row)
     return _row_layout(self.d, itemsize, self.warps_per_row)
 
 
@@ -337,8 +409,7 @@ def make_config(
   if quantize:
     if bwd or not quantize_supported(d, dtype):
       raise ValueError(f"no fused FP8 output for {d=} {dtype=} {bwd=}")
-    # The scales are written to SMEM by a function (`store`'s callable
-    # entries), which only the bulk-store path takes.
+    # Tiles in the block layout go through shared memory (the ring).
     bs = dataclasses.replace(bs, direct_stores=False, direct_loads=False)
   # The plain forward: 2 stages (measured), 4 output slots (measured alike).
   plain_fwd = not bwd and not quantize
@@ -361,13 +432,17 @@ def make_config(
       and d // _vec(itemsize) % 64 == 0
     ):
       wpr = 2
+  if quantize and wpr > 1 and (d // QUANT_BLOCK) % wpr:
+    wpr = 1  # the block layout splits a row's blocks between its warps
   if wpr not in (1, 2) or (wpr > 1 and d // _vec(itemsize) % (32 * wpr)):
     raise ValueError(f"warps_per_row={wpr} does not divide rows of {d}")
   unit = _min_rows(d, itemsize, wpr)
   if quantize:
-    # The scales' tile `[d / 128, m]` f32 leaves by bulk copy, whose rows
-    # must be multiples of 16 bytes.
-    unit = math.lcm(unit, 4)
+    # Whole tiles of the block layout; and `m % 4 == 0` where the scales
+    # leave as `[d/128, m]` (`_Config.scales_transposed`).
+    unit = _block_split(d // QUANT_BLOCK, itemsize, wpr)[0][0]
+    if (d // QUANT_BLOCK) % 4:
+      unit = math.lcm(unit, 4)
   n_in = 2 + has_residual if bwd else 1 + has_residual
   n_out = 1 if bwd else 1 + has_residual
   stages_of = functools.partial(
@@ -470,16 +545,24 @@ def fits(d, dtype, gamma_dtype, has_residual, *, quantize=False) -> bool:
 
 
 def _bcast_rows(v_m, cfg: _Config):
-  """Per-row `[m]` values -> `[m, d]` in the row layout."""
+  """Per-row `[m]` values -> a tile (`cfg.tile_shape`) in its layout."""
   return plgpu.layout_cast(
-    lax.broadcast_in_dim(v_m, (cfg.block_rows, cfg.d), (0,)), cfg.layout
+    lax.broadcast_in_dim(v_m, cfg.tile_shape, (0,)), cfg.layout
   )
 
 
+def _row_sum(v, cfg: _Config):
+  """`[m]` sums of a tile's rows."""
+  if cfg.quantize:
+    return jnp.sum(jnp.sum(v, axis=2), axis=1)
+  return jnp.sum(v, axis=1)
+
+
 def _bcast_cols(v_d, cfg: _Config):
-  """Per-feature `[d]` values -> `[m, d]` in the row layout."""
+  """Per-feature values (`cfg.tile_shape[1:]`) -> a tile in its layout."""
+  dims = tuple(range(1, len(cfg.tile_shape)))
   return plgpu.layout_cast(
-    lax.broadcast_in_dim(v_d, (cfg.block_rows, cfg.d), (1,)), cfg.layout
+    lax.broadcast_in_dim(v_d, cfg.tile_shape, dims), cfg.layout
   )
 
 
@@ -509,16 +592,17 @@ def _pipeline(
   out_gmem,
   out_smem,
   out_tile_rows=None,
+  out_transposed=None,
 ):
   """Persistent loop over this block's tiles.
 
   Returns a function `run(body, carry)`: `body(row0, load, store, carry)
-  -> carry` reads input `i` of the current tile as `load(i)` (an `[m, d]`
-  array in the row layout) and calls `store(values)` once with one entry
-  per output: an array, or a function that writes the output's
-  shared-memory buffer. `out_tile_rows[i]`: 0 for a `[t, d]` output; else
-  `k`: the output has `k` rows per tile (tile `i` writes rows `i·k ...
-  i·k + k - 1`).
+  -> carry` reads input `i` of the current tile as `load(i)` (a
+  `cfg.tile_shape` array in `cfg.layout`) and calls `store(values)` once
+  with one array per output. `out_tile_rows[i]`: 0 for an output of `t`
+  rows; else `k`: the output has `k` rows per tile (tile `i` writes rows
+  `i·k ... i·k + k - 1`). `out_transposed[i]`: output `i`'s `[m, k]`
+  values go into its `[k, m]` tile transposed.
 
   Inputs arrive through a ring of `cfg.stages` SMEM buffers filled by bulk
   copies (`fetch` of tile `i + stages` is issued once tile `i` is read),
@@ -527,6 +611,7 @@ def _pipeline(
   m = cfg.block_rows
   first, num_steps, stride = _tiles(cfg)
   out_tile_rows = out_tile_rows or [0] * len(out_gmem)
+  out_transposed = out_transposed or [False] * len(out_gmem)
   layout = cfg.layout
 
   def rows(step, k=0):
@@ -549,11 +634,8 @@ def _pipeline(
     # it; later ones may still be in flight.
     plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
     bufs = [buf.at[out_slot] for buf in out_smem]
-    for v, buf in zip(values, bufs, strict=True):
-      if callable(v):
-        v(buf)
-      else:
-        buf[...] = v.astype(buf.dtype)
+    for v, buf, tr in zip(values, bufs, out_transposed, strict=True):
+      (buf.T if tr else buf)[...] = v.astype(buf.dtype)
     plgpu.commit_smem()
     for i, (buf, dst, k) in enumerate(
       zip(bufs, out_gmem, out_tile_rows, strict=True)
@@ -633,31 +715,19 @@ def _load_gamma(gamma_gmem, cfg: _Config):
   return g.astype(jnp.float32)
 
 
-def _quantize_rows(cfg: _Config, y):
-  """`y [m, d]` (f32 registers) -> e4m3 values and a writer of the scales.
-
-  One power-of-two scale per 1x128 block of a row (G4), the same integer
-  arithmetic as `fp8.quantize` (round to nearest even). Block maxima are
-  row reductions of `|y|` masked to each block.
-  """
-  m, d = cfg.block_rows, cfg.d
-  col = plgpu.broadcasted_iota(jnp.int32, (m, d), 1, layout=cfg.layout)
-  blk = col // QUANT_BLOCK if cfg.q_blocks > 1 else None
-  a = jnp.abs(y)
-  scales, inv = [], None
-  for j in range(cfg.q_blocks):
-    a_j = a if blk is None else jnp.where(blk == j, a, 0.0)
-    s_m, inv_m = fp8_format.pow2_scale(jnp.max(a_j, axis=1))
-    scales.append(s_m)
-    inv_j = _bcast_rows(inv_m, cfg)
-    inv = inv_j if inv is None else jnp.where(blk == j, inv_j, inv)
-  q = fp8_format.round_e4m3(y * inv).astype(fp8_format.E4M3)
-
-  def write_scales(s_buf):  # [d/128, m]
-    for j, s_m in enumerate(scales):
-      s_buf.at[j][...] = s_m
-
-  return q, write_scales
+def _quantize_blocks(cfg: _Config, y):
+  """`y [m, d/128, 128]` (f32 registers, block layout) -> e4m3 values and
+  the `[m, d/128]` f32 scales: one power-of-two scale per 1x128 block
+  (G4), as `fp8.quantize` computes it. A block's maximum is a reduction
+  over axis 2 inside one warp; the rounding is the hardware conversion
+  (round to nearest even; `|y / s| <= 448`, so saturation never acts),
+  which equals the reference's integer rounding bit for bit (as in
+  `fp8.quantize_mgpu`)."""
+  scale, inv = fp8_format.pow2_scale(jnp.max(jnp.abs(y), axis=2))
+  inv = plgpu.layout_cast(
+    lax.broadcast_in_dim(inv, cfg.tile_shape, (0, 1)), cfg.layout
+  )
+  return (y * inv).astype(fp8_format.E4M3), scale
 
 
 def _fwd_kernel(cfg: _Config, *refs):
@@ -672,9 +742,13 @@ def _fwd_kernel(cfg: _Config, *refs):
   in_gmem = [x_gmem] + ([r_gmem] if cfg.has_residual else [])
   out_gmem = [y_gmem] + ([h_gmem] if cfg.has_residual else [])
   tile_rows = [0] * len(out_gmem)
+  transposed = [False] * len(out_gmem)
   if cfg.quantize:
+    # The scales go to an array of whole tiles (a ragged tail's bytes need
+    # not be a multiple of 16), `cfg.scales_tile` each.
     out_gmem += [q_gmem, s_gmem]
-    tile_rows += [0, cfg.q_blocks]
+    tile_rows += [0, cfg.scales_tile[0]]
+    transposed += [False, cfg.scales_transposed]
   _prologue(cfg)
   gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
   inv_d = 1.0 / cfg.d
@@ -685,7 +759,7 @@ def _fwd_kernel(cfg: _Config, *refs):
     if cfg.has_residual:
       h = h + load(1)  # in x's dtype, as the reference
     h32 = h.astype(jnp.float32)
-    ms_m = jnp.sum(h32 * h32, axis=1) * inv_d
+    ms_m = _row_sum(h32 * h32, cfg) * inv_d
     y = h32 * _bcast_rows(lax.rsqrt(ms_m + cfg.eps), cfg)
     if gamma is not None:
       y = y * _bcast_cols(gamma, cfg)
@@ -693,13 +767,13 @@ def _fwd_kernel(cfg: _Config, *refs):
     if cfg.quantize:
       # Quantize `y` as returned (rounded to its dtype), like the reference.
       y = y.astype(cfg.dtype)
-      outs = [y, *outs[1:], *_quantize_rows(cfg, y.astype(jnp.float32))]
+      outs = [y, *outs[1:], *_quantize_blocks(cfg, y.astype(jnp.float32))]
     store(outs)
     return carry
 
-  _pipeline(cfg, in_gmem, in_smem, barrier, out_gmem, out_smem, tile_rows)(
-    body, ()
-  )
+  _pipeline(
+    cfg, in_gmem, in_smem, barrier, out_gmem, out_smem, tile_rows, transposed
+  )(body, ())
 
 
 def _bwd_kernel(cfg: _Config, *refs):
@@ -751,20 +825,20 @@ def _bwd_kernel(cfg: _Config, *refs):
 
 
 def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
-  m, d = cfg.block_rows, cfg.d
+  d = cfg.d
   # Direct stores keep one buffer for the clamped ragged tile; direct loads
   # (never ragged) and their ring need none, but the kernels take the refs.
   slots = 1 if cfg.direct_stores else cfg.out_slots
   stages = 1 if cfg.direct_loads else cfg.stages
-  rows = 1 if cfg.direct_loads else m
-  out_bufs = [plgpu.SMEM((slots, rows, d), cfg.dtype) for _ in range(n_out)]
+  tile = (1, d) if cfg.direct_loads else cfg.tile_shape
+  out_bufs = [plgpu.SMEM((slots, *tile), cfg.dtype) for _ in range(n_out)]
   if cfg.quantize and kernel is _fwd_kernel:
     out_bufs += [
-      plgpu.SMEM((slots, m, d), fp8_format.E4M3),
-      plgpu.SMEM((slots, cfg.q_blocks, m), jnp.float32),
+      plgpu.SMEM((slots, *tile), fp8_format.E4M3),
+      plgpu.SMEM((slots, *cfg.scales_tile), jnp.float32),
     ]
   scratch = [
-    [plgpu.SMEM((stages, rows, d), cfg.dtype) for _ in range(n_in)],
+    [plgpu.SMEM((stages, *tile), cfg.dtype) for _ in range(n_in)],
     out_bufs,
     plgpu.Barrier(num_arrivals=n_in, num_barriers=stages),
     *extra_scratch,
@@ -794,30 +868,36 @@ def rms_norm_fwd(x_td, gamma_d, residual_td, cfg: _Config):
   """`[t, d]` rows -> `y` (and `h = x + residual`), in x's dtype.
 
   With `cfg.quantize`, two more outputs: e4m3 values `[t, d]` and f32
-  scales `[t, d/128]` of `y` in 1x128 blocks.
+  scales `[t, d/128]` of `y` in 1x128 blocks. The kernel then sees every
+  `[t, d]` array as `[t, d/128, 128]` (and gamma as `[d/128, 128]`), the
+  same bytes, and writes the scales in whole tiles (`scales_tile`),
+  reordered and cut to `t` rows here.
   """
   t, d = x_td.shape
-  sds = jax.ShapeDtypeStruct((t, d), x_td.dtype)
+  rows = (t, *cfg.tile_shape[1:])
+  sds = jax.ShapeDtypeStruct(rows, x_td.dtype)
   n_in = 1 + cfg.has_residual
   out_type = [sds, sds] if cfg.has_residual else [sds]
   n_out = len(out_type)
   if cfg.quantize:
+    a, b = cfg.scales_tile
     out_type += [
-      jax.ShapeDtypeStruct((t, d), fp8_format.E4M3),
-      jax.ShapeDtypeStruct(
-        (cfg.num_tiles * cfg.q_blocks, cfg.block_rows), jnp.float32
-      ),
+      jax.ShapeDtypeStruct(rows, fp8_format.E4M3),
+      jax.ShapeDtypeStruct((cfg.num_tiles * a, b), jnp.float32),
     ]
-  args = [x_td]
+  args = [x_td.reshape(rows)]
   if cfg.has_residual:
-    args.append(residual_td)
+    args.append(residual_td.reshape(rows))
   if cfg.gamma_dtype:
-    args.append(gamma_d)
-  outs = list(_call(_fwd_kernel, cfg, out_type, n_in, n_out, [], *args))
-  if cfg.quantize:
-    # Per tile `[d/128, m]` -> `[t, d/128]`.
-    s = outs[-1].reshape(cfg.num_tiles, cfg.q_blocks, cfg.block_rows)
-    outs[-1] = s.transpose(0, 2, 1).reshape(-1, cfg.q_blocks)[:t]
+    args.append(gamma_d.reshape(cfg.tile_shape[1:]))
+  outs = _call(_fwd_kernel, cfg, out_type, n_in, n_out, [], *args)
+  n_td = len(outs) - cfg.quantize  # then the scales
+  outs = [o.reshape(t, d) for o in outs[:n_td]] + list(outs[n_td:])
+  if cfg.quantize:  # whole tiles -> `[t, d/128]`
+    s = outs[-1].reshape(cfg.num_tiles, *cfg.scales_tile)
+    if cfg.scales_transposed:
+      s = s.transpose(0, 2, 1)
+    outs[-1] = s.reshape(-1, cfg.q_blocks)[:t]
   return tuple(outs)
 
 

@@ -144,9 +144,9 @@ def test_rms_norm_with_residual(d, dtype):
   _lowers_for_cuda(fwd_bwd, x, g, x, kernels=2)  # forward, backward
 
 
-# The fused FP8 output at 4096 takes 4-row tiles (its scales' bulk copy
-# needs 16-byte rows; 2 rows failed) and one output slot.
-@pytest.mark.parametrize("d", [2048, 4096])
+# The fused FP8 output's block layout: 2 warps per row at 4096; scales
+# leaving transposed at 128 and 256 (`_Config.scales_transposed`).
+@pytest.mark.parametrize("d", [128, 256, 512, 2048, 4096])
 def test_rms_norm_fp8_output(d):
   x, g = _spec((B * L, d)), _spec((d,))
   f = lambda x, g, r: rms_norm_mosaic(

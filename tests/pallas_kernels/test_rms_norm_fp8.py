@@ -15,6 +15,7 @@ mode at small shapes (ragged tails, one row, several tiles per block):
   multiple of 128) quantize the kernel's `y` afterwards, same result.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -107,26 +108,41 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 @pytest.mark.parametrize(
-  "t,d,block_rows,dtype,with_gamma,with_residual",
+  "t,d,block_rows,dtype,with_gamma,with_residual,wpr",
   [
     # ragged: 4 full tiles + 5 rows, 2 scale blocks per row; all variants
-    (37, 256, 8, BF16, True, True),
-    (37, 256, 8, BF16, False, True),
-    (37, 256, 8, BF16, True, False),
-    (37, 256, 8, BF16, False, False),
-    (37, 256, 8, F32, True, True),
-    (1, 128, None, BF16, True, True),  # a single row, one scale block
-    (1, 128, None, F32, False, False),
-    (24, 512, 4, BF16, True, False),  # whole tiles, 4 scale blocks per row
-    (24, 512, 4, F32, True, True),
+    (37, 256, 8, BF16, True, True, None),
+    (37, 256, 8, BF16, False, True, None),
+    (37, 256, 8, BF16, True, False, None),
+    (37, 256, 8, BF16, False, False, None),
+    (37, 256, 8, F32, True, True, None),
+    (1, 128, None, BF16, True, True, None),  # a single row, one scale block
+    (1, 128, None, F32, False, False, None),
+    # whole tiles, 4 scale blocks per row
+    (24, 512, 4, BF16, True, False, None),
+    (24, 512, 4, F32, True, True, None),
+    # ragged with scales leaving as [m, d/128] (d % 512 == 0)
+    (37, 512, 4, BF16, True, True, None),
+    # two warps per row split its blocks (as at d = 4096)
+    (37, 512, 2, BF16, True, True, 2),
+    (37, 1024, 2, F32, True, False, 2),
   ],
 )
 def test_fused_output_matches_reference(
-  t, d, block_rows, dtype, with_gamma, with_residual
+  t, d, block_rows, dtype, with_gamma, with_residual, wpr
 ):
   key = jax.random.key(t * 1000 + d)
   x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
-  fn = _mosaic(_small(block_rows))
+  bs = _small(block_rows)
+  if wpr:
+    bs = dataclasses.replace(bs, warps_per_row=wpr)
+    cfg = mosaic_gpu.make_config(
+      t, d, dtype, dtype if with_gamma else None, with_residual, 1e-6, bs,
+      True, bwd=False,
+      quantize=True,
+    )  # fmt: skip
+    assert cfg.warps_per_row == wpr and cfg.block_rows == block_rows
+  fn = _mosaic(bs)
   yq, h = _split(fn(x, g, r), with_residual)
   y_ref, h_ref = _split(rms_norm_reference(x, g, r), with_residual)
   assert yq.block == (1, 128) and yq.scales.shape == (t, d // 128)
