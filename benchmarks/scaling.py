@@ -36,6 +36,9 @@ A variant is `strategy[+setting]`, trained on a 1 x 1 x 2 mesh:
 The 1-GPU baseline uses the config's strategy. Every run starts at once, so
 their compilations (~2 minutes each on the H200 host) overlap; the timed
 part runs one at a time under a file lock, with nothing else on the GPUs.
+`--set KEY=VALUE` (repeatable) overrides the config in every run, as
+`python -m gemjax.train --set` does (e.g. `model.fp8=deepseek`); a single
+run is `--worker --gpus 1 [--set ...]`, which prints its step time.
 `--profile` also traces 3 steps of every run and prints device ms/step per
 stream, collectives apart from the rest, with the costliest kernels
 (`common.trace_summary`): where a step's time goes. If the config's own run
@@ -90,6 +93,7 @@ def worker(
   config="onetrans_v31",
   strategy="",
   profile=False,
+  overrides=(),
 ):
   import dataclasses
 
@@ -103,7 +107,7 @@ def worker(
   from gemjax.data import loader
   from gemjax.train.loop import Trainer
 
-  base = config_lib.load(config)
+  base = config_lib.load(config, overrides)
   data = dataclasses.replace(base.data, workers=0, prefetch=0)
   if attention == "xla":  # the reference attention is dense: small shards
     data = dataclasses.replace(
@@ -210,6 +214,7 @@ def _start(variant, gpus, args):
     "--strategy",
     strategy,
   ] + (["--profile"] if args.profile else [])
+  cmd += [f"--set={kv}" for kv in args.set]
   print(
     f"{variant or 'config'} on {gpus} GPU(s): "
     + " ".join(f"{k}={v}" for k, v in SETTINGS.get(setting, {}).items()),
@@ -257,6 +262,13 @@ def main():
   p.add_argument("--out", default=None)
   p.add_argument("--strategy", default="", help="worker: mesh strategy")
   p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="config override for every run (as `python -m gemjax.train`)",
+  )
+  p.add_argument(
     "--profile",
     action="store_true",
     help="also trace 3 steps of every run: device ms/step by kernel",
@@ -276,6 +288,7 @@ def main():
       args.config,
       args.strategy,
       args.profile,
+      args.set,
     )
     return
   sys.path.insert(0, ROOT)
@@ -284,7 +297,7 @@ def main():
   from benchmarks import common
   from gemjax import config as config_lib
 
-  own = config_lib.load(args.config).mesh.strategy
+  own = config_lib.load(args.config, args.set).mesh.strategy
   deadline = time.monotonic() + args.budget_s
   variants = [_check_variant(v) for v in args.variants.split(",") if v]
   variants = [v for v in variants if v != own]
@@ -307,7 +320,7 @@ def main():
   notes.update({v: err for v, (_, err) in done.items() if err})
   one = raw["1 GPU"]
   records = []
-  case = f"{args.config}/2x{common.device_name()}"
+  case = " ".join([args.config, *args.set]) + f"/2x{common.device_name()}"
   for v, two in raw.items():
     if v == "1 GPU" or two is None or one is None:
       continue
