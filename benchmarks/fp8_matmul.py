@@ -610,23 +610,6 @@ def bench_norm_dense(b: Bench, m, k, n):
   qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
   wqs = [qw(w) for _, _, _, w, _, _ in sets]
 
-  # Correctness at this shape: the fused path against the same math in XLA
-  # (reference norm with its FP8 output, XLA FP8 matmul) and against f32.
-  x0, r0, g0, w0, _, _ = sets[0]
-  got = jax.jit(ours_fp8)(x0, r0, g0, wqs[0])[0]
-  want = jax.jit(functools.partial(ours_fp8, impl="xla"))(x0, r0, g0, wqs[0])[0]
-  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-  exact = jax.jit(
-    lambda x, r, g, w: jnp.dot(
-      rms_norm_reference(f32(x), f32(g), f32(r))[0],
-      f32(w),
-      precision=lax.Precision.HIGHEST,
-    )
-  )(x0, r0, g0, w0)
-  label = "ours: norm -> fp8 in one kernel, fp8 GEMM"
-  b.add(case, label, "fwd err vs ref", _rel(got, want))
-  b.add(case, label, "fwd err vs f32", _rel(got, exact))
-
   def fwd_args(fp8_w):
     return [
       (x, r, g, wq if fp8_w else w)
@@ -637,14 +620,29 @@ def bench_norm_dense(b: Bench, m, k, n):
     name: (jax.jit(fn), fwd_args(fp8_w))
     for name, (fn, fp8_w) in variants.items()
   }
+  # Correctness at this shape: the fused path against the same math in XLA
+  # (reference norm with its FP8 output, XLA FP8 matmul) and against f32.
+  label = "ours: norm -> fp8 in one kernel, fp8 GEMM"
+  x0, r0, g0, w0, _, _ = sets[0]
+  got = runs[label][0](x0, r0, g0, wqs[0])[0]
+  want = jax.jit(functools.partial(ours_fp8, impl="xla"))(x0, r0, g0, wqs[0])[0]
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  exact = jax.jit(
+    lambda x, r, g, w: jnp.dot(
+      rms_norm_reference(f32(x), f32(g), f32(r))[0],
+      f32(w),
+      precision=lax.Precision.HIGHEST,
+    )
+  )(x0, r0, g0, w0)
+  b.add(case, label, "fwd err vs ref", _rel(got, want))
+  b.add(case, label, "fwd err vs f32", _rel(got, exact))
   _record_interleaved(b, case, "fwd", runs, base)
   if NO_BWD:
     return
 
-  def pullback(fn, fp8_w, x, r, g, w):
+  def pullback(fn, fp8_w, x, r, g, w, wq):
     if not fp8_w:
       return _pullback(fn, x, r, g, w)
-    wq = qw(w)
     return _pullback(
       lambda x, r, g, w: fn(x, r, g, dataclasses.replace(wq, source=w)),
       x, r, g, w,
@@ -654,8 +652,8 @@ def bench_norm_dense(b: Bench, m, k, n):
     name: (
       _apply,
       [
-        (pullback(fn, fp8_w, x, r, g, w), (dy, dh))
-        for x, r, g, w, dy, dh in sets
+        (pullback(fn, fp8_w, x, r, g, w, wq), (dy, dh))
+        for (x, r, g, w, dy, dh), wq in zip(sets, wqs, strict=True)
       ],
     )
     for name, (fn, fp8_w) in variants.items()

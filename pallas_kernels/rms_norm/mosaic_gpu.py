@@ -266,6 +266,14 @@ def _block_layout(q: int, itemsize: int, wpr: int) -> plgpu.Layout:
   )
 
 
+def _scales_transposed(q: int) -> bool:
+  """Whether the fused output's scales leave a tile as `[q, m]` instead of
+  `[m, q]` (`q = d/128`): a bulk copy moves rows of 16-byte multiples,
+  which `q` f32 are only when `q % 4 == 0`; transposed, `m % 4 == 0`
+  (`make_config`)."""
+  return q % 4 != 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static settings of one kernel instance (hashable)."""
@@ -294,11 +302,7 @@ class _Config:
 
   @property
   def scales_transposed(self) -> bool:
-    """The fused output's scales leave a tile as `[d/128, m]` instead of
-    `[m, d/128]`: a bulk copy moves rows of 16-byte multiples, which
-    `d/128` f32 are not unless `d % 512 == 0` (then `m % 4 == 0` instead,
-    `make_config`)."""
-    return self.q_blocks % 4 != 0
+    return _scales_transposed(self.q_blocks)
 
   @property
   def scales_tile(self) -> tuple[int, int]:
@@ -432,16 +436,15 @@ def make_config(
       and d // _vec(itemsize) % 64 == 0
     ):
       wpr = 2
-  if quantize and wpr > 1 and (d // QUANT_BLOCK) % wpr:
-    wpr = 1  # the block layout splits a row's blocks between its warps
   if wpr not in (1, 2) or (wpr > 1 and d // _vec(itemsize) % (32 * wpr)):
     raise ValueError(f"warps_per_row={wpr} does not divide rows of {d}")
   unit = _min_rows(d, itemsize, wpr)
   if quantize:
     # Whole tiles of the block layout; and `m % 4 == 0` where the scales
-    # leave as `[d/128, m]` (`_Config.scales_transposed`).
-    unit = _block_split(d // QUANT_BLOCK, itemsize, wpr)[0][0]
-    if (d // QUANT_BLOCK) % 4:
+    # leave as `[d/128, m]` (`_scales_transposed`).
+    q = d // QUANT_BLOCK
+    unit = _block_split(q, itemsize, wpr)[0][0]
+    if _scales_transposed(q):
       unit = math.lcm(unit, 4)
   n_in = 2 + has_residual if bwd else 1 + has_residual
   n_out = 1 if bwd else 1 + has_residual
@@ -544,11 +547,17 @@ def fits(d, dtype, gamma_dtype, has_residual, *, quantize=False) -> bool:
   return True
 
 
-def _bcast_rows(v_m, cfg: _Config):
-  """Per-row `[m]` values -> a tile (`cfg.tile_shape`) in its layout."""
+def _bcast(v, cfg: _Config, dims):
+  """`v` (a tile's dimensions `dims`) -> a tile (`cfg.tile_shape`) in its
+  layout."""
   return plgpu.layout_cast(
-    lax.broadcast_in_dim(v_m, cfg.tile_shape, (0,)), cfg.layout
+    lax.broadcast_in_dim(v, cfg.tile_shape, dims), cfg.layout
   )
+
+
+def _bcast_rows(v_m, cfg: _Config):
+  """Per-row `[m]` values -> a tile."""
+  return _bcast(v_m, cfg, (0,))
 
 
 def _row_sum(v, cfg: _Config):
@@ -559,11 +568,8 @@ def _row_sum(v, cfg: _Config):
 
 
 def _bcast_cols(v_d, cfg: _Config):
-  """Per-feature values (`cfg.tile_shape[1:]`) -> a tile in its layout."""
-  dims = tuple(range(1, len(cfg.tile_shape)))
-  return plgpu.layout_cast(
-    lax.broadcast_in_dim(v_d, cfg.tile_shape, dims), cfg.layout
-  )
+  """Per-feature values (`cfg.tile_shape[1:]`) -> a tile."""
+  return _bcast(v_d, cfg, tuple(range(1, len(cfg.tile_shape))))
 
 
 def _tiles(cfg: _Config):
@@ -591,7 +597,6 @@ def _pipeline(
   barrier,
   out_gmem,
   out_smem,
-  out_tile_rows=None,
   out_transposed=None,
 ):
   """Persistent loop over this block's tiles.
@@ -599,10 +604,10 @@ def _pipeline(
   Returns a function `run(body, carry)`: `body(row0, load, store, carry)
   -> carry` reads input `i` of the current tile as `load(i)` (a
   `cfg.tile_shape` array in `cfg.layout`) and calls `store(values)` once
-  with one array per output. `out_tile_rows[i]`: 0 for an output of `t`
-  rows; else `k`: the output has `k` rows per tile (tile `i` writes rows
-  `i·k ... i·k + k - 1`). `out_transposed[i]`: output `i`'s `[m, k]`
-  values go into its `[k, m]` tile transposed.
+  with one array per output. Tile `i` of an output goes to its rows
+  `[i·k, i·k + k)`, `k` its shared-memory buffer's rows (`m`, or another
+  count for an array of whole tiles). `out_transposed[i]`: output `i`'s
+  `[m, k]` values go into its `[k, m]` buffer transposed.
 
   Inputs arrive through a ring of `cfg.stages` SMEM buffers filled by bulk
   copies (`fetch` of tile `i + stages` is issued once tile `i` is read),
@@ -610,13 +615,11 @@ def _pipeline(
   """
   m = cfg.block_rows
   first, num_steps, stride = _tiles(cfg)
-  out_tile_rows = out_tile_rows or [0] * len(out_gmem)
   out_transposed = out_transposed or [False] * len(out_gmem)
   layout = cfg.layout
 
-  def rows(step, k=0):
-    tile = first + step * stride
-    return pl.ds(tile * m, m) if not k else pl.ds(tile * k, k)
+  def rows(step, k=m):
+    return pl.ds((first + step * stride) * k, k)
 
   def fetch(step, slot):
     for src, dst in zip(in_gmem, in_smem, strict=True):
@@ -637,11 +640,11 @@ def _pipeline(
     for v, buf, tr in zip(values, bufs, out_transposed, strict=True):
       (buf.T if tr else buf)[...] = v.astype(buf.dtype)
     plgpu.commit_smem()
-    for i, (buf, dst, k) in enumerate(
-      zip(bufs, out_gmem, out_tile_rows, strict=True)
-    ):
+    for i, (buf, dst) in enumerate(zip(bufs, out_gmem, strict=True)):
       plgpu.copy_smem_to_gmem(
-        buf, dst.at[rows(step, k)], commit_group=i == len(out_smem) - 1
+        buf,
+        dst.at[rows(step, buf.shape[0])],
+        commit_group=i == len(out_smem) - 1,
       )
 
   def store_direct(step, values):
@@ -724,10 +727,7 @@ def _quantize_blocks(cfg: _Config, y):
   which equals the reference's integer rounding bit for bit (as in
   `fp8.quantize_mgpu`)."""
   scale, inv = fp8_format.pow2_scale(jnp.max(jnp.abs(y), axis=2))
-  inv = plgpu.layout_cast(
-    lax.broadcast_in_dim(inv, cfg.tile_shape, (0, 1)), cfg.layout
-  )
-  return (y * inv).astype(fp8_format.E4M3), scale
+  return (y * _bcast(inv, cfg, (0, 1))).astype(fp8_format.E4M3), scale
 
 
 def _fwd_kernel(cfg: _Config, *refs):
@@ -741,13 +741,11 @@ def _fwd_kernel(cfg: _Config, *refs):
   in_smem, out_smem, barrier = next(it), next(it), next(it)
   in_gmem = [x_gmem] + ([r_gmem] if cfg.has_residual else [])
   out_gmem = [y_gmem] + ([h_gmem] if cfg.has_residual else [])
-  tile_rows = [0] * len(out_gmem)
   transposed = [False] * len(out_gmem)
   if cfg.quantize:
     # The scales go to an array of whole tiles (a ragged tail's bytes need
     # not be a multiple of 16), `cfg.scales_tile` each.
     out_gmem += [q_gmem, s_gmem]
-    tile_rows += [0, cfg.scales_tile[0]]
     transposed += [False, cfg.scales_transposed]
   _prologue(cfg)
   gamma = _load_gamma(gamma_gmem, cfg) if cfg.gamma_dtype else None
@@ -771,9 +769,9 @@ def _fwd_kernel(cfg: _Config, *refs):
     store(outs)
     return carry
 
-  _pipeline(
-    cfg, in_gmem, in_smem, barrier, out_gmem, out_smem, tile_rows, transposed
-  )(body, ())
+  _pipeline(cfg, in_gmem, in_smem, barrier, out_gmem, out_smem, transposed)(
+    body, ()
+  )
 
 
 def _bwd_kernel(cfg: _Config, *refs):
