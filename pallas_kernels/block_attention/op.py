@@ -2,11 +2,32 @@
 dispatch, and the sliding-window baseline (G3).
 
 `block_attention(..., implementation=None)` runs the Mosaic GPU kernels
-(`mosaic_gpu.py`) on a GPU for the shapes they cover (bf16/fp16, head dim
-64 or 128, blocks of 32 or 64; RoPE fused for head dim 128, applied by XLA
-before the kernel at head dim 64) and the plain-`jnp` reference elsewhere
-(blocks of 128 included); `implementation="mosaic"` on CPU runs the same
-kernels under Pallas's GPU interpret mode (slow; tests only).
+on a GPU for the shapes they cover (bf16/fp16, head dim 64 or 128) and the
+plain-`jnp` reference elsewhere; `implementation="mosaic"` on CPU runs the
+same kernels under Pallas's GPU interpret mode (slow; tests only).
+
+- Blocks of 32 and 64: the block kernels (`mosaic_gpu.py`), one 64-row
+  tile a block or two, RoPE fused for head dim 128 (applied by XLA before
+  the kernel at head dim 64).
+- Blocks of 128: the jagged-attention kernel (G1) on the blocks as
+  sequences of their own (`block_offsets`: every block of every sequence,
+  over the same packed rows), with RoPE applied by XLA first. That kernel
+  is built for long sequences, and blocks cost it more than the block
+  kernels pay per row: its tiles sit on an 8-row grid, so a block that
+  starts off it spans three 64-row query tiles and two 128-key steps; it
+  runs the online softmax and writes the logsumexp; and every key tile of
+  a block is its sequence's first or last, which the kernel reads from
+  zero-filled side buffers gathered beforehand (about twice K's and V's
+  bytes). Counted on the benchmark's log-normal batch: 288 blocks, 795
+  query tiles (576 if aligned), 1,474 key steps (576). On the H200
+  (`benchmarks/block_attention.py --block 128`, 2026-12-03, B=32, 8 / 2
+  heads, D=128, RoPE) that is 0.280 / 0.228 ms forward at all-2,048 /
+  log-normal lengths, 0.75x / 0.54x cuDNN on the batch cut into blocks,
+  and forward+backward 1.51x / 1.00x; against the reference that ran on
+  a GPU before, 5.3x / 5.7x forward and 6.9x / 15.4x forward+backward.
+  The block kernels' design for 128 rows (two query tiles sharing two
+  key tiles, a 64 x 128 score tile per warpgroup, a 128-row RoPE table)
+  is not built.
 """
 
 import functools
@@ -23,10 +44,14 @@ from pallas_kernels.block_attention.reference import (
   prepare,
   sliding_window_reference,
 )
-from pallas_kernels.jagged_attention.op import jagged_attention
+from pallas_kernels.jagged_attention.op import (
+  jagged_attention,
+  jagged_attention_mosaic,
+)
 
 BlockSizes = mg.BlockSizes
-KERNEL_BLOCKS = (32, 64)
+KERNEL_BLOCKS = (32, 64, 128)
+JAGGED_BLOCKS = (128,)  # through the jagged-attention kernel
 
 
 def _fwd(static, q, k, v, offsets, cs):
@@ -65,6 +90,29 @@ def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:
   return None
 
 
+def block_offsets(offsets, block: int, t: int, max_len: int):
+  """Every `block`-position block of every sequence as a sequence of its
+  own: cumulative offsets `int32[nb + 1]` over the same packed rows.
+
+  Sequence `i` has `ceil(len_i / block)` blocks, the last one partial;
+  empty sequences have none. `nb = min(b ceil(max_len / block), b +
+  ceil(t / block))` is a static bound on the count (`sum ceil(len_i /
+  block) < t / block + b`); the entries past the last block repeat
+  `offsets[-1]` (empty sequences).
+  """
+  offsets = jnp.asarray(offsets, jnp.int32)
+  b = offsets.shape[0] - 1
+  nb = min(b * -(-max_len // block), b + -(-t // block))
+  lens = offsets[1:] - offsets[:-1]
+  ends = jnp.cumsum(-(-lens // block))  # blocks up to each sequence's end
+  u = jnp.arange(nb, dtype=jnp.int32)
+  seq = jnp.searchsorted(ends, u, side="right")  # b: past the last block
+  at = jnp.minimum(seq, b - 1)
+  first = ends[at] - -(-lens[at] // block)  # the sequence's first block
+  start = jnp.where(seq < b, offsets[at] + (u - first) * block, offsets[-1])
+  return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
+
+
 def block_attention_mosaic(
   q_tnh,
   k_tkh,
@@ -85,10 +133,32 @@ def block_attention_mosaic(
   `interpret=None` compiles on a GPU and runs GPU interpret mode
   elsewhere; `False` always compiles.
   """
-  h = q_tnh.shape[-1]
+  t, _, h = q_tnh.shape
   why = supported(q_tnh, k_tkh, v_tkh, block)
   if why:
     raise ValueError(f"mosaic block attention: {why}")
+  if block in JAGGED_BLOCKS:
+    if block_sizes is not None:
+      raise ValueError(
+        f"block attention over blocks of {block} runs the jagged-attention"
+        " kernel; block_sizes are the block kernels' settings (blocks of 32"
+        " and 64)"
+      )
+    q_tnh, k_tkh, offsets, max_len = prepare(
+      q_tnh, k_tkh, v_tkh, offsets, rope, max_len, "block attention"
+    )
+    blocks = block_offsets(offsets, block, t, max_len)
+    return jagged_attention_mosaic(
+      q_tnh,
+      k_tkh,
+      v_tkh,
+      blocks,
+      causal=causal,
+      scale=scale,
+      max_len_q=min(block, max_len),
+      max_len_kv=min(block, max_len),
+      interpret=interpret,
+    )
   if interpret is None and jax.default_backend() != "gpu":
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:
@@ -136,7 +206,8 @@ def block_attention(
     q_tnh: queries `[t, n, h]`, packed over sequences.
     k_tkh, v_tkh: keys and values `[t, k, h]` (same rows), `n % k == 0`.
     offsets: `int32[b+1]` cumulative sequence lengths.
-    block: positions per block, one of 32, 64 (kernels) or 128 (reference).
+    block: positions per block: 32, 64 (the block kernels) or 128 (the
+      jagged-attention kernel over the blocks; see the module docstring).
     rope: RoPE base `theta` applied to Q and K at their in-sequence
       positions inside the op (fused in the kernels), or None.
     causal: position `p` sees positions `<= p` of its block.

@@ -25,6 +25,7 @@ from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.op import (
   IMPLEMENTATIONS,
   block_attention_mosaic,
+  block_offsets,
 )
 from pallas_kernels.block_attention.reference import positions, rope_reference
 from tests.pallas_kernels import attention_cases as cases
@@ -160,6 +161,48 @@ def test_block32_one_head_interpret():
   )
 
 
+def test_block128_through_the_jagged_kernel_interpret():
+  # Blocks of 128 run the jagged-attention kernel on the blocks as
+  # sequences of their own (RoPE by XLA first): lengths 200 (a full block
+  # and a partial one), 0, 1, 128 (exactly one block), 129 (a block and
+  # one row), 9; an empty last sequence; 5 tail rows.
+  _check_case(
+    [200, 0, 1, 128, 129, 9, 0],
+    n=2,
+    kh=1,
+    h=64,
+    dtype=jnp.bfloat16,
+    tail=5,
+    seed=7,
+    block=128,
+    rope=10_000.0,
+  )
+  with pytest.raises(ValueError, match="jagged-attention kernel"):
+    off = cases.offsets([3])
+    x = jnp.zeros((3, 1, 64), jnp.bfloat16)
+    block_attention_mosaic(x, x, x, off, block=128, block_sizes=SMALL)
+
+
+@pytest.mark.parametrize("block", [32, 64, 128])
+def test_block_offsets_cut_every_sequence_into_blocks(block):
+  rng = np.random.default_rng(block)
+  lens = [0, 1, block, block + 1, 2 * block - 1, 5, 0, 3 * block]
+  lens += list(rng.integers(0, 4 * block, 9))
+  off = cases.offsets(lens)
+  t = int(off[-1]) + 7
+  max_len = max(lens)
+  got = np.asarray(block_offsets(off, block, t, max_len))
+  want = [0]
+  for start, n in zip(off[:-1], lens):
+    want += [int(start) + min(j + block, n) for j in range(0, n, block)]
+  # Static length: the tighter of the two bounds; past the last block,
+  # empty blocks at the end of the data.
+  nb = min(len(lens) * -(-max_len // block), len(lens) + -(-t // block))
+  assert len(want) - 1 <= nb and got.shape == (nb + 1,)
+  np.testing.assert_array_equal(got[: len(want)], want)
+  assert (got[len(want) :] == off[-1]).all()
+
+
 @pytest.mark.parametrize("n", [2, 1])
 def test_no_races_interpret(n):
   # The interpreter's race detector over the forward (two consumer
@@ -285,7 +328,7 @@ def test_dispatch():
   assert fn is IMPLEMENTATIONS[want]
   off = np.array([0, 3, 4], np.int32)
   x = jax.random.normal(jax.random.key(0), (4, 2, 8))
-  # Block 128 and head dim 8 have no kernel: the reference runs anywhere.
+  # Head dim 8 has no kernel (for any block): the reference runs anywhere.
   np.testing.assert_allclose(
     block_attention(x, x[:, :1], x[:, :1], off, block=128),
     block_attention_reference(x, x[:, :1], x[:, :1], off, block=128),
@@ -306,6 +349,8 @@ def test_dispatch():
     (128, 32, 10_000.0, True, jnp.bfloat16),
     (64, 64, None, False, jnp.float16),
     (64, 64, 10_000.0, True, jnp.bfloat16),
+    (128, 128, 10_000.0, False, jnp.bfloat16),
+    (64, 128, None, True, jnp.float16),
   ],
 )
 def test_gpu_matches_reference(h, block, rope, causal, dtype):
