@@ -14,22 +14,28 @@ same kernels under Pallas's GPU interpret mode (slow; tests only).
   over the same packed rows), with RoPE applied by XLA first. That kernel
   is built for long sequences, and blocks cost it more than the block
   kernels pay per row: its tiles sit on an 8-row grid, so a block that
-  starts off it spans three 64-row query tiles and two 128-key steps; it
-  runs the online softmax and writes the logsumexp; and every key tile of
-  a block is its sequence's first or last, which the kernel reads from
-  zero-filled side buffers gathered beforehand (about twice K's and V's
-  bytes). Counted on the benchmark's log-normal batch: 288 blocks, 795
-  query tiles (576 if aligned), 1,474 key steps (576). On the H200
+  starts off it spans three 64-row query tiles, each reading keys past
+  the block; it runs the online softmax and writes the logsumexp; and
+  every key tile of a block is its sequence's first or last, which the
+  kernel reads from zero-filled side buffers gathered beforehand (as many
+  rows as K and V, with the 64-key steps of `jagged_block_sizes`).
+  Counted on the benchmark's log-normal batch (35,108 tokens in 288
+  blocks): 795 query tiles reading 144,448 key rows in 64-key steps
+  (188,672 in 128-key steps), where blocks that all started on the grid
+  would take at most 576 tiles and 70,216 rows. On the H200
   (`benchmarks/block_attention.py --block 128`, 2026-12-03, B=32, 8 / 2
-  heads, D=128, RoPE) that is 0.280 / 0.228 ms forward at all-2,048 /
-  log-normal lengths, 0.75x / 0.54x cuDNN on the batch cut into blocks,
-  and forward+backward 1.51x / 1.00x; against the reference that ran on
-  a GPU before, 5.3x / 5.7x forward and 6.9x / 15.4x forward+backward.
+  heads, D=128, RoPE) that is 0.277 / 0.208 ms forward at all-2,048 /
+  log-normal lengths, 0.76x / 0.60x cuDNN on the batch cut into blocks,
+  and forward+backward 1.51x / 1.03x; against the reference that ran on
+  a GPU before, 5.3x / 6.2x forward and 7.0x / 15.9x forward+backward
+  (with 128-key steps, the day's first run: 0.280 / 0.228 ms forward,
+  0.676 / 0.584 ms forward+backward).
   The block kernels' design for 128 rows (two query tiles sharing two
   key tiles, a 64 x 128 score tile per warpgroup, a 128-row RoPE table)
   is not built.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +50,7 @@ from pallas_kernels.block_attention.reference import (
   prepare,
   sliding_window_reference,
 )
+from pallas_kernels.jagged_attention.op import BlockSizes as JaggedBlockSizes
 from pallas_kernels.jagged_attention.op import (
   jagged_attention,
   jagged_attention_mosaic,
@@ -88,6 +95,22 @@ def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:
   if k_tkh.dtype != dtype or v_tkh.dtype != dtype:
     return "q, k and v must share one dtype"
   return None
+
+
+def jagged_block_sizes(h: int) -> JaggedBlockSizes:
+  """The jagged kernel's settings for blocks of 128: its defaults, with
+  64-key forward steps at head dim 128, which halve the side buffers and
+  the keys a block's off-grid tiles fetch past it. H200 (a development
+  run, 2026-12-03, the benchmark's log-normal batch, D=128, RoPE left
+  out, timed in alternation): forward 0.136 against 0.156 ms,
+  forward+backward 0.435 against 0.457 ms; the forward's other settings
+  (one-shot CTAs instead of persistent ones, no intra-warpgroup overlap)
+  were slower or the same (0.230 / 0.153 ms). The work list and side
+  buffers took 39 us of it, XLA's RoPE (not in these figures) 62 us.
+  Head dim 64 keeps the defaults (not measured; its dQ kernel's 128-key
+  steps need 128-key forward steps)."""
+  bs = JaggedBlockSizes.default(h)
+  return dataclasses.replace(bs, block_kv=64) if h == 128 else bs
 
 
 def block_offsets(offsets, block: int, t: int, max_len: int):
@@ -157,6 +180,7 @@ def block_attention_mosaic(
       scale=scale,
       max_len_q=min(block, max_len),
       max_len_kv=min(block, max_len),
+      block_sizes=jagged_block_sizes(h),
       interpret=interpret,
     )
   if interpret is None and jax.default_backend() != "gpu":

@@ -163,14 +163,15 @@ def test_block32_one_head_interpret():
 
 def test_block128_through_the_jagged_kernel_interpret():
   # Blocks of 128 run the jagged-attention kernel on the blocks as
-  # sequences of their own (RoPE by XLA first): lengths 200 (a full block
-  # and a partial one), 0, 1, 128 (exactly one block), 129 (a block and
-  # one row), 9; an empty last sequence; 5 tail rows.
+  # sequences of their own (RoPE by XLA first), at head dim 128 with the
+  # settings the op picks (`jagged_block_sizes`: 64-key steps). Lengths
+  # 130 (a full block and a partial one), 1, 0, 70 (one partial block,
+  # starting off the 8-row grid), an empty last sequence; 5 tail rows.
   _check_case(
-    [200, 0, 1, 128, 129, 9, 0],
+    [130, 1, 0, 70, 0],
     n=2,
     kh=1,
-    h=64,
+    h=128,
     dtype=jnp.bfloat16,
     tail=5,
     seed=7,
