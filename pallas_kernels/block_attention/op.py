@@ -105,8 +105,9 @@ def jagged_block_sizes(h: int) -> JaggedBlockSizes:
   out, timed in alternation): forward 0.136 against 0.156 ms,
   forward+backward 0.435 against 0.457 ms; the forward's other settings
   (one-shot CTAs instead of persistent ones, no intra-warpgroup overlap)
-  were slower or the same (0.230 / 0.153 ms). The work list and side
-  buffers took 39 us of it, XLA's RoPE (not in these figures) 62 us.
+  were slower or the same (0.230 / 0.153 ms). Timed alone in that run,
+  the work list with 128-key side buffers took 39 us, XLA's RoPE (left
+  out of the figures above) 62 us.
   Head dim 64 keeps the defaults (not measured; its dQ kernel's 128-key
   steps need 128-key forward steps)."""
   bs = JaggedBlockSizes.default(h)
