@@ -17,12 +17,12 @@ same kernels under Pallas's GPU interpret mode (slow; tests only).
   starts off it spans three 64-row query tiles, each reading keys past
   the block; it runs the online softmax and writes the logsumexp; and
   every key tile of a block is its sequence's first or last, which the
-  kernel reads from zero-filled side buffers gathered beforehand (as many
-  rows as K and V, with the 64-key steps of `jagged_block_sizes`).
+  kernel reads from zero-filled side buffers gathered beforehand (about
+  as many rows as K and V, with the 64-key steps of `jagged_block_sizes`).
   Counted on the benchmark's log-normal batch (35,108 tokens in 288
   blocks): 795 query tiles reading 144,448 key rows in 64-key steps
   (188,672 in 128-key steps), where blocks that all started on the grid
-  would take at most 576 tiles and 70,216 rows. On the H200
+  would take 565 tiles and 71,616 rows. On the H200
   (`benchmarks/block_attention.py --block 128`, 2026-12-03, B=32, 8 / 2
   heads, D=128, RoPE) that is 0.277 / 0.208 ms forward at all-2,048 /
   log-normal lengths, 0.76x / 0.60x cuDNN on the batch cut into blocks,
@@ -42,7 +42,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, schedule
 from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
@@ -57,8 +57,6 @@ from pallas_kernels.jagged_attention.op import (
 )
 
 BlockSizes = mg.BlockSizes
-KERNEL_BLOCKS = (32, 64, 128)
-JAGGED_BLOCKS = (128,)  # through the jagged-attention kernel
 
 
 def _fwd(static, q, k, v, offsets, cs):
@@ -85,8 +83,8 @@ _block_attention.defvjp(_fwd, _bwd)
 def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:
   """Why the Mosaic kernels cannot take these inputs (None: they can)."""
   h = q_tnh.shape[-1]
-  if block not in KERNEL_BLOCKS:
-    return f"block {block} is not one of {KERNEL_BLOCKS}"
+  if block not in BLOCKS:
+    return f"block {block} is not one of {BLOCKS}"
   if h not in (64, 128):
     return f"head dim {h} is not 64 or 128"
   dtype = q_tnh.dtype
@@ -107,7 +105,7 @@ def jagged_block_sizes(h: int) -> JaggedBlockSizes:
   (one-shot CTAs instead of persistent ones, no intra-warpgroup overlap)
   were slower or the same (0.230 / 0.153 ms). Timed alone in that run,
   the work list with 128-key side buffers took 39 us, XLA's RoPE (left
-  out of the figures above) 62 us.
+  out of the figures above) 61.5 us.
   Head dim 64 keeps the defaults (not measured; its dQ kernel's 128-key
   steps need 128-key forward steps)."""
   bs = JaggedBlockSizes.default(h)
@@ -127,13 +125,8 @@ def block_offsets(offsets, block: int, t: int, max_len: int):
   offsets = jnp.asarray(offsets, jnp.int32)
   b = offsets.shape[0] - 1
   nb = min(b * -(-max_len // block), b + -(-t // block))
-  lens = offsets[1:] - offsets[:-1]
-  ends = jnp.cumsum(-(-lens // block))  # blocks up to each sequence's end
-  u = jnp.arange(nb, dtype=jnp.int32)
-  seq = jnp.searchsorted(ends, u, side="right")  # b: past the last block
-  at = jnp.minimum(seq, b - 1)
-  first = ends[at] - -(-lens[at] // block)  # the sequence's first block
-  start = jnp.where(seq < b, offsets[at] + (u - first) * block, offsets[-1])
+  seq, tile, valid, _ = schedule.enumerate_tiles(offsets, block, 1, nb)
+  start = jnp.where(valid, offsets[seq] + tile * block, offsets[-1])
   return jnp.concatenate([start, offsets[-1:]]).astype(jnp.int32)
 
 
@@ -161,7 +154,7 @@ def block_attention_mosaic(
   why = supported(q_tnh, k_tkh, v_tkh, block)
   if why:
     raise ValueError(f"mosaic block attention: {why}")
-  if block in JAGGED_BLOCKS:
+  if block > mg.TILE:  # the block kernels' blocks fit in one tile
     if block_sizes is not None:
       raise ValueError(
         f"block attention over blocks of {block} runs the jagged-attention"

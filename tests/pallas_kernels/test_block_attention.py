@@ -178,9 +178,9 @@ def test_block128_through_the_jagged_kernel_interpret():
     block=128,
     rope=10_000.0,
   )
+  off = cases.offsets([3])
+  x = jnp.zeros((3, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="jagged-attention kernel"):
-    off = cases.offsets([3])
-    x = jnp.zeros((3, 1, 64), jnp.bfloat16)
     block_attention_mosaic(x, x, x, off, block=128, block_sizes=SMALL)
 
 
