@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= smoke
 ARGS ?=
 
-.PHONY: train test lint gpu-test clean
+.PHONY: train test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }

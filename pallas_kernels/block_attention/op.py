@@ -8,10 +8,12 @@ same kernels under Pallas's GPU interpret mode (slow; tests only).
 
 - Blocks of 32 and 64: the block kernels (`mosaic_gpu.py`), one 64-row
   tile a block or two, RoPE fused for head dim 128 (applied by XLA before
-  the kernel at head dim 64).
+  the kernel at head dim 64, at positions inside the block:
+  `rope_in_blocks`).
 - Blocks of 128: the jagged-attention kernel (G1) on the blocks as
   sequences of their own (`block_offsets`: every block of every sequence,
-  over the same packed rows), with RoPE applied by XLA first. That kernel
+  over the same packed rows), with RoPE applied by XLA first
+  (`rope_in_blocks`). That kernel
   is built for long sequences, and blocks cost it more than the block
   kernels pay per row: its tiles sit on an 8-row grid, so a block that
   starts off it spans three 64-row query tiles, each reading keys past
@@ -24,12 +26,15 @@ same kernels under Pallas's GPU interpret mode (slow; tests only).
   (188,672 in 128-key steps), where blocks that all started on the grid
   would take 565 tiles and 71,616 rows. On the H200
   (`benchmarks/block_attention.py --block 128`, 2026-12-03, B=32, 8 / 2
-  heads, D=128, RoPE) that is 0.277 / 0.208 ms forward at all-2,048 /
-  log-normal lengths, 0.76x / 0.60x cuDNN on the batch cut into blocks,
-  and forward+backward 1.51x / 1.03x; against the reference that ran on
-  a GPU before, 5.3x / 6.2x forward and 7.0x / 15.9x forward+backward
-  (with 128-key steps, the day's first run: 0.280 / 0.228 ms forward,
-  0.676 / 0.584 ms forward+backward).
+  heads, D=128, RoPE) that is 0.256 / 0.195 ms forward at all-2,048 /
+  log-normal lengths, 0.82x / 0.63x cuDNN on the batch cut into blocks,
+  and forward+backward 1.53x / 1.06x; against the reference that ran on
+  a GPU before, 5.7x / 6.6x forward and 7.1x / 16.5x forward+backward.
+  The day's earlier runs, before RoPE at block positions: 0.277 / 0.208
+  ms forward, 0.674 / 0.566 forward+backward (64-key steps); 0.280 /
+  0.228 and 0.676 / 0.584 (128-key steps). Run to run these move by a
+  few percent; timed in alternation, RoPE at block positions was worth
+  2% of the log-normal forward (`rope_in_blocks`).
   The block kernels' design for 128 rows (two query tiles sharing two
   key tiles, a 64 x 128 score tile per warpgroup, a 128-row RoPE table)
   is not built.
@@ -41,12 +46,14 @@ import functools
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import dispatch, schedule
 from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
   block_attention_reference,
+  positions,
   prepare,
   sliding_window_reference,
 )
@@ -112,6 +119,44 @@ def jagged_block_sizes(h: int) -> JaggedBlockSizes:
   return dataclasses.replace(bs, block_kv=64) if h == 128 else bs
 
 
+def rope_in_blocks(x_tnh, offsets, block: int, theta: float):
+  """RoPE at each row's position inside its block (`p % block`), in XLA.
+
+  A score depends on its two rows' positions only through their
+  difference, and both rows of every block-attention score sit in one
+  block, so this gives the outputs and gradients of RoPE at in-sequence
+  positions (the reference's). The cos and sin of the `block` positions
+  are a constant table (numpy, float64, rounded to f32), so no row
+  evaluates trigonometry. Math as `rope_reference` (f32, result in the
+  input dtype). H200 (a development run, 2026-12-03, B=32, 8 / 2 heads,
+  D=128, Q and K, per set, timed in alternation): 57.6 against 61.4 us
+  at in-sequence positions on a log-normal batch, 107.6 against 113.7 at
+  all-2,048; block attention over blocks of 128, log-normal, forward
+  0.1877 against 0.1914 ms, forward+backward 0.5357 against 0.5421. The
+  pass is bound by the bytes of Q and K in and out, not the trigonometry.
+  """
+  t, _, h = x_tnh.shape
+  freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
+  ang = np.arange(block, dtype=np.float64)[:, None] * freq
+  pos = positions(offsets, t) % block
+  cos = jnp.asarray(np.cos(ang), jnp.float32)[pos][:, None, :]
+  sin = jnp.asarray(np.sin(ang), jnp.float32)[pos][:, None, :]
+  x1, x2 = jnp.split(x_tnh.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  return out.astype(x_tnh.dtype)
+
+
+def _prepare(q_tnh, k_tkh, v_tkh, offsets, block, rope, max_len):
+  """`prepare`'s checks, and RoPE (if `rope`) at block positions."""
+  q_tnh, k_tkh, offsets, max_len = prepare(
+    q_tnh, k_tkh, v_tkh, offsets, None, max_len, "block attention"
+  )
+  if rope is not None:
+    q_tnh = rope_in_blocks(q_tnh, offsets, block, rope)
+    k_tkh = rope_in_blocks(k_tkh, offsets, block, rope)
+  return q_tnh, k_tkh, offsets, max_len
+
+
 def block_offsets(offsets, block: int, t: int, max_len: int):
   """Every `block`-position block of every sequence as a sequence of its
   own: cumulative offsets `int32[nb + 1]` over the same packed rows.
@@ -161,8 +206,8 @@ def block_attention_mosaic(
         " kernel; block_sizes are the block kernels' settings (blocks of 32"
         " and 64)"
       )
-    q_tnh, k_tkh, offsets, max_len = prepare(
-      q_tnh, k_tkh, v_tkh, offsets, rope, max_len, "block attention"
+    q_tnh, k_tkh, offsets, max_len = _prepare(
+      q_tnh, k_tkh, v_tkh, offsets, block, rope, max_len
     )
     blocks = block_offsets(offsets, block, t, max_len)
     return jagged_attention_mosaic(
@@ -183,9 +228,9 @@ def block_attention_mosaic(
     interpret = None
   # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
   fused_rope = rope is not None and h == 2 * mg.PART
-  q_tnh, k_tkh, offsets, _ = prepare(
-    q_tnh, k_tkh, v_tkh, offsets, None if fused_rope else rope, max_len,
-    "block attention",
+  q_tnh, k_tkh, offsets, _ = _prepare(
+    q_tnh, k_tkh, v_tkh, offsets, block, None if fused_rope else rope,
+    max_len,
   )  # fmt: skip
   static = mg._Static(
     block=block,

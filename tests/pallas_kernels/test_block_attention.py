@@ -26,6 +26,7 @@ from pallas_kernels.block_attention.op import (
   IMPLEMENTATIONS,
   block_attention_mosaic,
   block_offsets,
+  rope_in_blocks,
 )
 from pallas_kernels.block_attention.reference import positions, rope_reference
 from tests.pallas_kernels import attention_cases as cases
@@ -274,13 +275,17 @@ def test_rope_table_matches_reference():
   )
 
 
-@pytest.mark.parametrize("block,causal", [(64, False), (32, False), (64, True)])
-def test_rope_at_tile_positions_is_the_same_attention(block, causal):
-  # The kernels rotate Q and K by their position inside a 64-row tile, not
-  # in the sequence: scores depend only on position differences, and both
-  # rows of a score share a tile. The reference at sequence positions
-  # must give the same outputs (f32, positions up to 1,200, whose f32
-  # angles are off by up to ~1e-4 rad in the reference).
+@pytest.mark.parametrize(
+  "block,causal", [(64, False), (32, False), (64, True), (128, True)]
+)
+def test_rope_at_block_positions_is_the_same_attention(block, causal):
+  # Scores depend only on position differences, and both rows of a score
+  # share a block, so Q and K may be rotated by their position inside a
+  # block (XLA's `rope_in_blocks`: blocks of 128, head dim 64) or, for
+  # blocks of 32 and 64, inside a 64-row tile (the fused kernels) instead
+  # of in the sequence. Both must give the reference's outputs (f32,
+  # positions up to 1,200, whose f32 angles are off by up to ~1e-4 rad in
+  # the reference).
   off = cases.offsets([1200, 70, 1, 0, 130])
   t = int(off[-1]) + 3
   ks = jax.random.split(jax.random.key(3), 3)
@@ -288,13 +293,15 @@ def test_rope_at_tile_positions_is_the_same_attention(block, causal):
   k = jax.random.normal(ks[1], (t, 2, 128))
   v = jax.random.normal(ks[2], (t, 2, 128))
   kw = dict(block=block, causal=causal)
+  pos = positions(jnp.asarray(off), t) % mg.TILE
+  rotations = {"block": lambda x: rope_in_blocks(x, off, block, 1e4)}
+  if block <= mg.TILE:
+    rotations["tile"] = lambda x: rope_reference(x, pos, 1e4)
   with jax.default_matmul_precision("highest"):
     want = block_attention_reference(q, k, v, off, rope=1e4, **kw)
-    pos = positions(jnp.asarray(off), t) % mg.TILE
-    got = block_attention_reference(
-      rope_reference(q, pos, 1e4), rope_reference(k, pos, 1e4), v, off, **kw
-    )
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    for name, rot in rotations.items():
+      got = block_attention_reference(rot(q), rot(k), v, off, **kw)
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-4, err_msg=name)
 
 
 def test_sliding_window_reference_matches_dense():
