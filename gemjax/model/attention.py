@@ -29,7 +29,8 @@ from flax import nnx
 
 import pallas_kernels
 from gemjax.data.jagged import segment_ids
-from gemjax.model.layers import Fp8Settings, RMSNorm, dense, rope
+from gemjax.model.layers import Fp8Settings, RMSNorm, dense
+from pallas_kernels.block_attention.reference import rope_reference
 
 KINDS = ("softmax", "gdpa", "block", "sliding")
 
@@ -144,8 +145,8 @@ class Attention(nnx.Module):
       return self.o(o_tnh.reshape(t, self.n * self.h))
     if q_pos is not None:
       q_tnh, k_skh = (
-        rope(q_tnh, q_pos, rope_theta),
-        rope(k_skh, kv_pos, rope_theta),
+        rope_reference(q_tnh, q_pos, rope_theta),
+        rope_reference(k_skh, kv_pos, rope_theta),
       )
     if self.kind == "gdpa":
       if causal:

@@ -303,17 +303,6 @@ class SwiGLU(nnx.Module):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-def rope(x_tnh, pos_t, theta: float):
-  """Rotary position embedding on the last axis (pairs split in halves)."""
-  h = x_tnh.shape[-1]
-  freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
-  ang = pos_t.astype(jnp.float32)[:, None] * freq[None, :]  # [t, h/2]
-  cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
-  x1, x2 = jnp.split(x_tnh.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-  return out.astype(x_tnh.dtype)
-
-
 def swiglu_hidden(d_model: int, mult: float) -> int:
   """FFN width: `mult * d_model` rounded up to a multiple of 32."""
   return int(-(-int(d_model * mult) // 32) * 32)

@@ -157,6 +157,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import mosaic, schedule
+from pallas_kernels.block_attention.reference import rope_constants
 
 TILE = 64
 PART = 64  # columns of one part of a tile (see "Column parts")
@@ -244,9 +245,7 @@ def rope_table(h: int, theta: float):
   The pair keeps f32-like accuracy (`|cos - hi - lo| < 2^-22`). Built
   with numpy at trace time: constants, no trigonometry per call.
   """
-  freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
-  ang = np.arange(TILE, dtype=np.float64)[:, None] * freq
-  exact = [np.cos(ang), np.sin(ang)]
+  exact = rope_constants(TILE, h, theta)
   hi = [x.astype(np.float16) for x in exact]
   lo = [
     (x - y.astype(np.float64)).astype(np.float16) for x, y in zip(exact, hi)

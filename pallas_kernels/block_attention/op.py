@@ -46,7 +46,6 @@ import functools
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import dispatch, schedule
 from pallas_kernels.block_attention import mosaic_gpu as mg
@@ -55,6 +54,8 @@ from pallas_kernels.block_attention.reference import (
   block_attention_reference,
   positions,
   prepare,
+  rope_constants,
+  rope_rotate,
   sliding_window_reference,
 )
 from pallas_kernels.jagged_attention.op import BlockSizes as JaggedBlockSizes
@@ -136,14 +137,12 @@ def rope_in_blocks(x_tnh, offsets, block: int, theta: float):
   pass is bound by the bytes of Q and K in and out, not the trigonometry.
   """
   t, _, h = x_tnh.shape
-  freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
-  ang = np.arange(block, dtype=np.float64)[:, None] * freq
   pos = positions(offsets, t) % block
-  cos = jnp.asarray(np.cos(ang), jnp.float32)[pos][:, None, :]
-  sin = jnp.asarray(np.sin(ang), jnp.float32)[pos][:, None, :]
-  x1, x2 = jnp.split(x_tnh.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-  return out.astype(x_tnh.dtype)
+  cos, sin = (
+    jnp.asarray(c, jnp.float32)[pos][:, None, :]
+    for c in rope_constants(block, h, theta)
+  )
+  return rope_rotate(x_tnh, cos, sin)
 
 
 def _prepare(q_tnh, k_tkh, v_tkh, offsets, block, rope, max_len):

@@ -12,9 +12,9 @@ cross a sequence boundary; a sequence's last block is partial when its
 length is not a multiple of `z`. The cost is `t * z`, not `sum len^2`.
 
 RoPE (`rope=theta`): Q and K are rotated by their position inside the
-sequence before the scores, exactly as `gemjax.model.layers.rope` does
-(pairs split in halves, angles `p * theta^(-2i/h)` in f32, result cast back
-to the input dtype).
+sequence before the scores, by `rope_reference`, the RoPE the model's
+other attention layers apply too (pairs split in halves, angles `p *
+theta^(-2i/h)` in f32, result cast back to the input dtype).
 
 Sliding-window attention (the seed's intermediate step, our baseline): the
 query at `p` sees the keys with `|p - j| <= window` of its sequence (and
@@ -24,6 +24,7 @@ band mask, so it costs `3 t window` scores, not `t l`.
 """
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
@@ -50,14 +51,28 @@ def rope_angles(pos, h: int, theta: float):
   return pos.astype(jnp.float32)[..., None] * freq
 
 
+def rope_constants(n: int, h: int, theta: float):
+  """cos and sin `float64[n, h/2]` of positions `0..n)` (numpy): constant
+  tables, built at trace time, of the ops that rotate at positions
+  inside a tile or a block."""
+  freq = float(theta) ** (-np.arange(0, h // 2, dtype=np.float64) * 2 / h)
+  ang = np.arange(n, dtype=np.float64)[:, None] * freq
+  return np.cos(ang), np.sin(ang)
+
+
+def rope_rotate(x_tnh, cos, sin):
+  """The halves of `x` rotated by `cos`, `sin` (`[t, 1, h/2]`), in f32;
+  the result in the input dtype."""
+  x1, x2 = jnp.split(x_tnh.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  return out.astype(x_tnh.dtype)
+
+
 def rope_reference(x_tnh, pos_t, theta: float):
   """RoPE on the last axis, pairs split in halves (f32 math, input dtype)."""
   h = x_tnh.shape[-1]
   ang = rope_angles(pos_t, h, theta)[:, None, :]
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
-  x1, x2 = jnp.split(x_tnh.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-  return out.astype(x_tnh.dtype)
+  return rope_rotate(x_tnh, jnp.cos(ang), jnp.sin(ang))
 
 
 def prepare(q_tnh, k_tkh, v_tkh, offsets, rope, max_len, name):
