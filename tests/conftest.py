@@ -7,22 +7,26 @@ ranking-model tests, `-n 2`, 169 s and 126 s). No persistent compilation
 cache: a cached collective program hung XLA:CPU once, and CI must never
 hang.
 
-XLA:CPU's thread pool gets 32 threads (`NPROC`, which XLA reads for its
-size; 8 by default on the 2-core machine). GPU interpret mode runs every
-simulated warpgroup as a Python thread whose program XLA may hand to that
-pool, where it blocks in the interpreter's barrier callbacks. With more
-simulated warpgroups than pool threads, the one that would release the
-others can wait for a pool thread forever. The quantizing GEMM's
-4-CTA-cluster case (16 warpgroups) did (2026-12-03, run alone as a test
-with copies of itself beside it): 3 of 25 runs hung with one other copy,
-9 of 11 with three (a thread dump showed 8 threads off the test's own
-blocked in the barrier callbacks), and once in a full `make test`. With
-32 threads, 30 runs, two at a time beside two unchanged copies, all
-passed; turning XLA's async dispatch off did not help (2 of 11 hung)."""
+XLA:CPU's thread pool gets at least 32 threads (`NPROC`, which XLA reads
+for its size; 8 by default on the 2-core machine; a smaller `NPROC` from
+the environment, which some CI systems set, is raised). GPU interpret
+mode runs every simulated warpgroup as a Python thread whose program XLA
+may hand to that pool, where it blocks in the interpreter's barrier
+callbacks. With more simulated warpgroups than pool threads, the one
+that would release the others can wait for a pool thread forever. The
+quantizing GEMM's 4-CTA-cluster case (16 warpgroups) did (2026-12-03,
+run alone as a test with copies of itself beside it): 3 of 25 runs hung
+with one other copy, 9 of 11 with three (a thread dump showed 8 threads
+that XLA had started, blocked in the barrier callbacks), and once in a
+full `make test`. The largest interpret kernel in the suite runs 16
+warpgroups. With 32 threads, 30 runs, two at a time beside two unchanged
+copies, all passed; turning XLA's async dispatch off did not help (2 of
+11 hung)."""
 
 import os
 
-os.environ.setdefault("NPROC", "32")  # before JAX starts (see above)
+# Before JAX starts (see above).
+os.environ["NPROC"] = str(max(32, int(os.environ.get("NPROC") or 0)))
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8"

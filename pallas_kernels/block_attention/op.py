@@ -120,29 +120,32 @@ def jagged_block_sizes(h: int) -> JaggedBlockSizes:
   return dataclasses.replace(bs, block_kv=64) if h == 128 else bs
 
 
-def rope_in_blocks(x_tnh, offsets, block: int, theta: float):
-  """RoPE at each row's position inside its block (`p % block`), in XLA.
+def rope_in_blocks(offsets, block: int, theta: float, *xs_tnh):
+  """RoPE at each row's position inside its block (`p % block`), in XLA:
+  every `[t, heads, h]` array of `xs_tnh` (Q and K) rotated with one
+  gather of the table.
 
   A score depends on its two rows' positions only through their
   difference, and both rows of every block-attention score sit in one
   block, so this gives the outputs and gradients of RoPE at in-sequence
   positions (the reference's). The cos and sin of the `block` positions
   are a constant table (numpy, float64, rounded to f32), so no row
-  evaluates trigonometry. Math as `rope_reference` (f32, result in the
+  evaluates trigonometry. Math as `rope_reference` (f32, results in the
   input dtype). H200 (a development run, 2026-12-03, B=32, 8 / 2 heads,
   D=128, Q and K, per set, timed in alternation): 57.6 against 61.4 us
-  at in-sequence positions on a log-normal batch, 107.6 against 113.7 at
+  at in-sequence positions on a log-normal batch, 99.9 against 106.4 at
   all-2,048; block attention over blocks of 128, log-normal, forward
-  0.1877 against 0.1914 ms, forward+backward 0.5357 against 0.5421. The
-  pass is bound by the bytes of Q and K in and out, not the trigonometry.
+  0.1877 against 0.1914 ms, forward+backward 0.5357 against 0.5421.
+  What is left is mostly moving Q and K in and out: about 180 MB on the
+  log-normal batch, 43 us at that day's copy bandwidth (a count).
   """
-  t, _, h = x_tnh.shape
+  t, _, h = xs_tnh[0].shape
   pos = positions(offsets, t) % block
   cos, sin = (
     jnp.asarray(c, jnp.float32)[pos][:, None, :]
     for c in rope_constants(block, h, theta)
   )
-  return rope_rotate(x_tnh, cos, sin)
+  return [rope_rotate(x, cos, sin) for x in xs_tnh]
 
 
 def _prepare(q_tnh, k_tkh, v_tkh, offsets, block, rope, max_len):
@@ -151,8 +154,7 @@ def _prepare(q_tnh, k_tkh, v_tkh, offsets, block, rope, max_len):
     q_tnh, k_tkh, v_tkh, offsets, None, max_len, "block attention"
   )
   if rope is not None:
-    q_tnh = rope_in_blocks(q_tnh, offsets, block, rope)
-    k_tkh = rope_in_blocks(k_tkh, offsets, block, rope)
+    q_tnh, k_tkh = rope_in_blocks(offsets, block, rope, q_tnh, k_tkh)
   return q_tnh, k_tkh, offsets, max_len
 
 

@@ -293,14 +293,14 @@ def test_rope_at_block_positions_is_the_same_attention(block, causal):
   k = jax.random.normal(ks[1], (t, 2, 128))
   v = jax.random.normal(ks[2], (t, 2, 128))
   kw = dict(block=block, causal=causal)
-  pos = positions(jnp.asarray(off), t) % mg.TILE
-  rotations = {"block": lambda x: rope_in_blocks(x, off, block, 1e4)}
+  rotated = {"block": rope_in_blocks(off, block, 1e4, q, k)}
   if block <= mg.TILE:
-    rotations["tile"] = lambda x: rope_reference(x, pos, 1e4)
+    pos = positions(jnp.asarray(off), t) % mg.TILE
+    rotated["tile"] = [rope_reference(x, pos, 1e4) for x in (q, k)]
   with jax.default_matmul_precision("highest"):
     want = block_attention_reference(q, k, v, off, rope=1e4, **kw)
-    for name, rot in rotations.items():
-      got = block_attention_reference(rot(q), rot(k), v, off, **kw)
+    for name, (q_r, k_r) in rotated.items():
+      got = block_attention_reference(q_r, k_r, v, off, **kw)
       np.testing.assert_allclose(got, want, rtol=0, atol=1e-4, err_msg=name)
 
 
