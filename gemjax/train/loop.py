@@ -33,6 +33,12 @@ from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 
+# (Config, Mesh) -> (train step, eval step), oldest first; see
+# `Trainer._steps`. Everything the steps close over (model definition,
+# optimizer, shardings) is a function of the config and the mesh.
+_STEPS: dict = {}
+_STEPS_KEPT = 4
+
 
 @dataclasses.dataclass
 class Trainer:
@@ -92,31 +98,44 @@ class Trainer:
   def state_shardings(self):
     return jax.tree.map(lambda x: x.sharding, self.abstract_state)
 
-  @functools.cached_property
-  def _static(self):
-    d = self.cfg.data
-    return dict(
-      model_def=self.model_def,
-      max_len=d.max_seq_len,
-      max_cands=d.max_cands,
-      placement=sharding.Placement(self.mesh, self.cfg.mesh.strategy),
-    )
-
-  @functools.cached_property
+  @property
   def train_step(self):
-    return jax.jit(
-      functools.partial(step_lib.train_step, tx=self.tx, **self._static),
-      in_shardings=(self.state_shardings, self.batch_sharding),
-      out_shardings=(self.state_shardings, None),
-      donate_argnums=0,
-    )
+    return self._steps[0]
+
+  @property
+  def eval_step(self):
+    return self._steps[1]
 
   @functools.cached_property
-  def eval_step(self):
-    return jax.jit(
-      functools.partial(step_lib.eval_step, **self._static),
-      in_shardings=(self.state_shardings["params"], self.batch_sharding),
-    )
+  def _steps(self):
+    """The jitted train and eval steps, shared by every `Trainer` of an
+    equal config on the same mesh in this process (`_STEPS`): a second run
+    of a config (a resume, a notebook cell run again) reuses their traces
+    and compiled programs instead of compiling again."""
+    key = (self.cfg, self.mesh)
+    if key not in _STEPS:
+      d = self.cfg.data
+      static = dict(
+        model_def=self.model_def,
+        max_len=d.max_seq_len,
+        max_cands=d.max_cands,
+        placement=sharding.Placement(self.mesh, self.cfg.mesh.strategy),
+      )
+      _STEPS[key] = (
+        jax.jit(
+          functools.partial(step_lib.train_step, tx=self.tx, **static),
+          in_shardings=(self.state_shardings, self.batch_sharding),
+          out_shardings=(self.state_shardings, None),
+          donate_argnums=0,
+        ),
+        jax.jit(
+          functools.partial(step_lib.eval_step, **static),
+          in_shardings=(self.state_shardings["params"], self.batch_sharding),
+        ),
+      )
+      while len(_STEPS) > _STEPS_KEPT:
+        _STEPS.pop(next(iter(_STEPS)))  # the oldest
+    return _STEPS[key]
 
   def to_device(self, batch):
     """This process's shards (numpy) -> global arrays split over the mesh."""

@@ -55,6 +55,7 @@ def losses(run_dir):
     return [r["loss"] for r in map(json.loads, f) if r["event"] == "train"]
 
 
+@pytest.mark.slow
 def test_one_device_equals_eight(tmp_path):
   """Same global batch on 1 and on 8 devices: same losses and parameters."""
   cfg = tiny()
@@ -72,6 +73,7 @@ def test_one_device_equals_eight(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
   """Killed after step 2 and resumed == never stopped, bit for bit."""
   cfg = tiny()
@@ -87,6 +89,7 @@ def test_resume_is_bit_identical(tmp_path):
   assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", config.available_configs())
 def test_every_config_runs_one_step(name, tmp_path):
   """The full model of every config builds and takes a step (small data, one
@@ -101,6 +104,7 @@ def test_every_config_runs_one_step(name, tmp_path):
   assert losses(tmp_path) and np.isfinite(losses(tmp_path)[0])
 
 
+@pytest.mark.slow
 def test_upscale_copies_blocks_by_layer_map(tmp_path):
   shallow = tiny("model.num_layers=3", "train.steps=2")
   train(shallow, tmp_path / "shallow")
@@ -123,3 +127,16 @@ def test_upscale_copies_blocks_by_layer_map(tmp_path):
       np.testing.assert_array_equal(x, y)
   train(deep, tmp_path / "deep")  # and it trains on from there
   assert len(losses(tmp_path / "deep")) == 1
+
+
+def test_equal_configs_share_compiled_steps(tmp_path):
+  """Trainers of equal configs on one mesh share the jitted steps (a resume
+  or a rerun in the same process compiles nothing); another config, or the
+  same one on other devices, gets its own."""
+  a = Trainer.create(tiny(), tmp_path / "a")
+  b = Trainer.create(tiny(), tmp_path / "b")
+  assert a.train_step is b.train_step and a.eval_step is b.eval_step
+  other = Trainer.create(tiny("train.learning_rate=1e-2"), tmp_path / "c")
+  assert other.train_step is not a.train_step
+  fewer = Trainer.create(tiny(), tmp_path / "d", devices=jax.devices()[:4])
+  assert fewer.train_step is not a.train_step
