@@ -40,6 +40,10 @@ from pallas_kernels import dispatch  # noqa: E402  (imports JAX)
 
 
 def pytest_collection_modifyitems(config, items):
+  # Tests marked slow (a minute or more on 2 cores) first, the rest in
+  # their order: xdist deals tests in collection order, so a long test
+  # collected last would leave the other worker idle at the end.
+  items.sort(key=lambda item: "slow" not in item.keywords)
   if not dispatch.hopper():  # the Mosaic GPU kernels' GPU
     skip = pytest.mark.skip(
       reason="needs a Hopper GPU (run with -m gpu on the H200)"

@@ -11,6 +11,7 @@ NOTEBOOKS = sorted(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)

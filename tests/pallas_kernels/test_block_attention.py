@@ -162,6 +162,7 @@ def test_block32_one_head_interpret():
   )
 
 
+@pytest.mark.slow
 def test_block128_through_the_jagged_kernel_interpret():
   # Blocks of 128 run the jagged-attention kernel on the blocks as
   # sequences of their own (RoPE by XLA first), at head dim 128 with the

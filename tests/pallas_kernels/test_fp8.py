@@ -867,6 +867,7 @@ def _close_bf16(got, want):
   np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
   """A raw bf16 left operand of a product with n <= 512 output columns
   and a 16-bit output is quantized in the kernel unless the FP8 weight

@@ -258,6 +258,7 @@ def test_config_checks_and_overrides():
   assert layers.fp8_for(cfg.model, "ffn", 2) is None  # the cross block
 
 
+@pytest.mark.slow
 def test_ranking_model_fp8_close_to_off():
   """The whole model with FP8 on in every block ("deepseek" with the fused
   norm output; "mxfp8" with a Hadamard transform) against off, same
