@@ -40,7 +40,7 @@ from pallas_kernels import dispatch  # noqa: E402  (imports JAX)
 
 
 def pytest_collection_modifyitems(config, items):
-  # Tests marked slow (a minute or more on 2 cores) first, the rest in
+  # Tests marked slow (the longest, 20 s to 3 min on 2 cores) first, the rest in
   # their order: xdist deals tests in collection order, so a long test
   # collected last would leave the other worker idle at the end.
   items.sort(key=lambda item: "slow" not in item.keywords)

@@ -33,7 +33,7 @@ from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 
-# (Config, Mesh) -> (train step, eval step), oldest first; see
+# (Config, Mesh) -> (train step, eval step), least recently used first; see
 # `Trainer._steps`. Everything the steps close over (model definition,
 # optimizer, shardings) is a function of the config and the mesh.
 _STEPS: dict = {}
@@ -113,7 +113,9 @@ class Trainer:
     of a config (a resume, a notebook cell run again) reuses their traces
     and compiled programs instead of compiling again."""
     key = (self.cfg, self.mesh)
-    if key not in _STEPS:
+    if key in _STEPS:
+      _STEPS[key] = _STEPS.pop(key)  # now the newest
+    else:
       d = self.cfg.data
       static = dict(
         model_def=self.model_def,

@@ -140,3 +140,15 @@ def test_equal_configs_share_compiled_steps(tmp_path):
   assert other.train_step is not a.train_step
   fewer = Trainer.create(tiny(), tmp_path / "d", devices=jax.devices()[:4])
   assert fewer.train_step is not a.train_step
+
+  # Four kept, the least recently used dropped first. Now kept, oldest
+  # first: tiny() on 8 devices, lr 1e-2, tiny() on 4 devices (whatever
+  # earlier tests in this process left is older, and gone by the fourth).
+  def steps(cfg):
+    return Trainer.create(cfg, tmp_path / "x").train_step
+
+  steps(tiny("train.learning_rate=1e-3"))  # a fourth
+  assert steps(tiny()) is a.train_step  # used again: now the newest
+  steps(tiny("train.learning_rate=5e-4"))  # a fifth: lr 1e-2 is dropped
+  assert steps(tiny()) is a.train_step
+  assert steps(tiny("train.learning_rate=1e-2")) is not other.train_step
