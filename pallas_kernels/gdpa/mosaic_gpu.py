@@ -117,6 +117,16 @@ ms where its bytes at copy bandwidth take about 65 us and its matmul at
 the dense rate about 35 us: the loads and stores of a tile overlap its
 math little (two Q stages, the most that fit beside 256 resident keys).
 256-key steps in one stage spill registers (0.2626 ms).
+Fewer ALU operations in `gelu_tanh` did not pay (H200, 2026-12-04,
+development runs, timed in alternation, per set): with the score scale
+folded into its constants, `h (1 + tanh(x (c + c a x^2)))`, `h = x / 2`,
+takes five operations besides the tanh against eight, and ran the
+forward at 83.5 / 87.5 / 152.5 us at 16 / 64 / 256 keys against 81.2 /
+88.4 / 153.0 as written (9 rounds); the derivative rearranged the same
+way made forward+backward slower, 298.2 / 305.6 / 661.1 against 256.4 /
+262.6 / 583.6 us. The whole activation in packed bf16x2 arithmetic
+(`tanh.approx.bf16x2`) ran 152.2 against 149.8 us at 256 keys and raised
+the output's error against the f32 reference from 0.0024 to 0.0037.
 
 dQ for short keys (`dq_from_ds`). The dQ kernel recomputes `X`, `dP` and
 `a'(X)` per score (3 of the backward's 7 matmul passes). A fused
