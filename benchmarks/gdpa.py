@@ -31,7 +31,10 @@ Useful FLOPs only: `4 n h sum_b Lq_b Lkv_b` forward, 3.5x that forward +
 backward (as in BASELINES.md). Short KV makes these shapes memory-bound,
 so the forward is also reported as a fraction of the roofline
 `min(peak, bandwidth x FLOP/byte)`, with bytes = Q + K + V + O once and the
-peak (bf16 matmul) and bandwidth (copy) measured in this process. Goals
+peak (bf16 matmul) and bandwidth (copy) measured in this process. Where
+that roofline is the bandwidth's (short keys, pooled), an XLA op that moves
+the same bytes and does nothing else (`same_bytes`, timed in alternation
+with ours and cuDNN) is reported on it too: how near it any op gets. Goals
 (issue 4): forward >= 1.6x cuDNN, forward+backward >= 1.5x at every KV
 length, forward >= 80% of the roofline. A correctness check against the
 f32 reference (forward and the three gradients) runs first on every case.
@@ -130,6 +133,15 @@ def fwd_bwd(attn):
 
 def fwd(attn):
   return jax.jit(lambda q, k, v, do: attn(q, k, v))
+
+
+# An XLA op that reads Q, K and V once and writes an output of O's shape:
+# the forward's bytes (`bytes_fwd`) and no other work.
+SAME_BYTES = "xla: q + sum(k + v), the forward's bytes"
+
+
+def same_bytes(q, k, v, do):
+  return q + jnp.sum(k + v, dtype=jnp.float32).astype(q.dtype)
 
 
 def measure_ceilings():
@@ -255,17 +267,36 @@ def run_main(ctx, records, ceilings):
   runs += [
     ("cudnn", "fwd", fwd(cudnn), padded),
     ("cudnn", "fwdbwd", fwd_bwd(cudnn), padded),
+    (SAME_BYTES, "fwd", jax.jit(same_bytes), sets),
   ]
   times = _time_runs(case, runs)
+  copy_like = times.pop((SAME_BYTES, "fwd"), None)
   ctx["times"] = {k: times.get(("mosaic", k)) for k in ("fwd", "fwdbwd")}
   ctx["base"] = {kind: times.get(("cudnn", kind)) for kind in ("fwd", "fwdbwd")}
   _record_times(ctx, times, records)
-  if ("mosaic", "fwd") not in times:
-    return False
   peak, bw = ceilings
   flops = ctx["flops"]
   intensity = flops / ctx["bytes_fwd"]  # FLOP per byte
   roof = min(peak, bw * intensity)  # TFLOP/s
+  if copy_like is not None and roof < peak:
+    # Where the roofline is the bandwidth's, the op that only moves the
+    # forward's bytes shows how near it any op gets in practice.
+    frac = flops / copy_like / 1e12 / roof
+    print(f"{case:12s} {SAME_BYTES}: {frac:.1%} of the roofline", flush=True)
+    records.append(
+      common.record(
+        "gdpa",
+        case,
+        SAME_BYTES,
+        "fwd_roofline_fraction",
+        frac,
+        baseline="roofline_tflops",
+        baseline_value=roof,
+        ratio=frac,
+      )
+    )
+  if ("mosaic", "fwd") not in times:
+    return False
   achieved = flops / times["mosaic", "fwd"] / 1e12
   print(
     f"{case:12s} roofline {roof:.1f} TFLOP/s (intensity {intensity:.1f} "
