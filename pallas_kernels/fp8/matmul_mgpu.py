@@ -71,7 +71,10 @@ tokens (64 CTAs for 132 SMs, each 512 k-steps long), cuts the contraction
 into runs whose f32 partial tiles are summed afterwards. On the H200
 (benchmarks/fp8_matmul.py, 2026-12-01) two runs took the FP8-dW backward
 at 65536 x 2048 x 512 / 65536 x 512 x 2048 from 0.651 / 0.713 ms to
-0.539 / 0.606 ms.
+0.539 / 0.606 ms. Those were 128 x 128 CTA tiles; since the default
+became 192 x 128, the same product has 44 tiles, two runs of which
+leave a third of the SMs idle, so split-K products take whichever tile
+fills the chip better (`split_k_plan`).
 
 Quantizing `a` in the kernel (`quantizing_matmul_mgpu`): `a` arrives as
 bf16 and is quantized in 1 x 128 blocks on its way to the wgmma, so it is
@@ -207,7 +210,11 @@ def smem_bytes(bs: BlockSizes, kb: int, out_dtype) -> int:
 def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
   """`DEFAULT_BLOCK_SIZES[kb]` with as many stages as fit beside the
   epilogue buffers of `out_dtype` (f32 split-K partials take twice bf16's)."""
-  bs = DEFAULT_BLOCK_SIZES.get(kb, BlockSizes())
+  return _fit_stages(DEFAULT_BLOCK_SIZES.get(kb, BlockSizes()), kb, out_dtype)
+
+
+def _fit_stages(bs: BlockSizes, kb: int, out_dtype) -> BlockSizes:
+  """`bs` with fewer stages until its buffers fit in shared memory."""
   while smem_bytes(bs, kb, out_dtype) > SMEM_BYTES:
     if bs.max_concurrent_steps <= 2:
       raise ValueError(f"{bs} with {out_dtype} outputs: no room for 2 stages")
@@ -243,6 +250,46 @@ def k_splits(
   ):
     splits *= 2
   return splits
+
+
+def split_k_plan(
+  m: int, n: int, k: int, kb: int, num_sms: int | None = None
+) -> tuple[BlockSizes, int]:
+  """Block sizes and runs (`k_splits`) for a product computed as f32
+  split-K partials: of the default tile (`default_block_sizes(kb,
+  float32)`) and the plain two-warpgroup 128 x 128 one, the one whose
+  CTAs, times its runs, fill more of the chip's SMs in their last wave
+  (the default unless the other fills at least a tenth more). A weight
+  gradient `[2048, 512]` over 65,536 tokens has 44 CTA tiles of 192 x 128
+  (two runs: 88 CTAs for 132 SMs) and 64 of 128 x 128 (128 CTAs). On the
+  H200 (2026-12-04, a development run, the kernel alone with its partial
+  sum, 7 rounds in alternation, medians): 161.2
+  against 224.4 us at [2048, 512] and 162.6 against 228.6 at [512, 2048]
+  over 65,536; 192 x 128 tiles in 4 / 8 runs took 222.4 / 173.2 and
+  225.9 / 184.5 us."""
+  num_sms = mosaic.num_sms(num_sms)
+
+  def fill(bs, splits):
+    clu_m, clu_n = bs.cluster_tile()
+    ctas = splits * -(-m // clu_m) * (n // clu_n)
+    return ctas / (-(-ctas // num_sms) * num_sms)
+
+  plans = []
+  for bs in (
+    default_block_sizes(kb, jnp.float32),
+    _fit_stages(BlockSizes(), kb, jnp.float32),
+  ):
+    if n % bs.cluster_tile()[1] or m < bs.cta_tile()[0]:
+      continue
+    splits = k_splits(m, n, k, bs, num_sms)
+    plans.append((bs, splits, fill(bs, splits)))
+  if not plans:
+    raise ValueError(f"split_k_plan: [{m}, {n}] fits neither tile")
+  best = plans[0]
+  for plan in plans[1:]:
+    if plan[2] >= 1.1 * best[2]:
+      best = plan
+  return best[0], best[1]
 
 
 def _block_scale(ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):

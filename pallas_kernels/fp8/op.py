@@ -298,10 +298,11 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     else:
       sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
       # Too few output tiles for the chip (weight gradients): split-K,
-      # with f32 partial tiles (and the epilogue buffers for them).
-      splits = matmul_mgpu.k_splits(mp, np_, kp, bs)
+      # with f32 partial tiles (and the epilogue buffers for them), in
+      # the tile that fills the chip better.
+      split_bs, splits = matmul_mgpu.split_k_plan(mp, np_, kp, kb)
       if splits > 1:
-        kw["block_sizes"] = matmul_mgpu.default_block_sizes(kb, jnp.float32)
+        kw["block_sizes"] = split_bs
       out = matmul_mgpu.scaled_matmul_mgpu(
         a, sa, b, sb, kb=kb, splits=splits, **kw
       )

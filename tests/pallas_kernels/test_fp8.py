@@ -747,6 +747,27 @@ def test_k_splits_fill_the_chip_with_long_runs():
   assert matmul_mgpu.k_splits(2048, 512, 4096, bs) == 1
 
 
+def test_split_k_plan_takes_the_tile_that_fills_the_chip():
+  default = matmul_mgpu.default_block_sizes(128, jnp.float32)
+  # dW [2048, 512] / [512, 2048] over 65,536 tokens: 44 / 48 tiles of
+  # 192 x 128 in two runs fill 88 / 96 of 132 SMs, 64 of 128 x 128 fill 128.
+  for m, n in [(2048, 512), (512, 2048)]:
+    bs, splits = matmul_mgpu.split_k_plan(m, n, 65536, 128, num_sms=132)
+    assert (bs.cta_tile(), splits) == ((128, 128), 2)
+    assert (
+      matmul_mgpu.smem_bytes(bs, 128, jnp.float32) <= matmul_mgpu.SMEM_BYTES
+    )
+  # Two runs of 16 tiles of 192 x 128 fill 32 SMs (24 of 128 x 128, too
+  # many to split, fill 24): the default.
+  bs, splits = matmul_mgpu.split_k_plan(768, 512, 65536, 128, num_sms=32)
+  assert (bs, splits) == (default, 2)
+  # Enough tiles: no split.
+  assert matmul_mgpu.split_k_plan(4096, 4096, 16384, 128, num_sms=132)[1] == 1
+  # Rows for neither tile.
+  with pytest.raises(ValueError, match="fits neither"):
+    matmul_mgpu.split_k_plan(64, 512, 65536, 128)
+
+
 def test_op_splits_k_for_weight_gradients(monkeypatch):
   """The FP8 weight gradient of a product with few output tiles runs
   split-K (here with runs of 2 k-steps, so small shapes qualify) and
@@ -1055,13 +1076,20 @@ def test_gpu_split_k_matmul(m, n, k):
   b = _data(jax.random.key(61), (n, k), jnp.bfloat16)
   av, as_ = ref.quantize_reference(a, block=(1, 128))
   bv, bs_ = ref.quantize_reference(b, block=(1, 128))
+  # The tile and runs op.py takes (`split_k_plan`), and the default tile.
+  plan_bs, plan_splits = matmul_mgpu.split_k_plan(m, n, k, 128)
   bs = matmul_mgpu.default_block_sizes(128, jnp.float32)
   outs = [
     matmul_mgpu.scaled_matmul_mgpu(
-      av, as_.T, bv, bs_.T, kb=128, block_sizes=bs, splits=splits
+      av, as_.T, bv, bs_.T, kb=128, block_sizes=b, splits=splits
     )
-    for splits in (1, matmul_mgpu.k_splits(m, n, k, bs))
+    for b, splits in [
+      (bs, 1),
+      (plan_bs, plan_splits),
+      (bs, matmul_mgpu.k_splits(m, n, k, bs)),
+    ]
   ]
+  _close_bf16(outs[2], outs[0])
   _close_bf16(outs[1], outs[0])
   want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, (1, 128))
   _close_bf16(outs[1], want)
