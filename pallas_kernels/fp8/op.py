@@ -13,7 +13,11 @@ backward reuses the forward's quantized rhs (with MXFP8's square blocks the
 transposed use shares values and scales; with 1x128 activations the FP8
 weight gradient quantizes g and the lhs again along m, transposed, in one
 pass each: `quantize_mgpu.transpose_quantize_mgpu` reads g as it is and
-the lhs as the forward's values and scales, without writing a transpose).
+the lhs as the forward's values and scales, without writing a transpose;
+its pass over g also quantizes g along n for dX (`rows_too`), so g is
+read once for both. On the H200, 2026-12-04, a development run: 53.9
+against 63.8 us for both of g [65536, 512], 185.1 against 222.0 for
+[65536, 2048]).
 Gradients are straight-through: the derivative of the FP8 product is taken
 as that of the exact product of its operands. The BF16 weight gradient
 reads the lhs as the caller passed it (its `source` for an `Fp8Tensor`),
@@ -198,9 +202,11 @@ def _quantize_2d_mosaic(x_rc, block, hadamard, hadamard_seed, seed_hash):
 
 
 @functools.cache
-def _transpose_quantize_fn(r: int, c: int):
+def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
   """The transposing kernel on one `[r, c]` matrix (padded to tiles), bf16
-  or e4m3 with its compact scales; batched with `lax.map`."""
+  or e4m3 with its compact scales; batched with `lax.map`. Returns the
+  values and compact scales of `x^T`, and with `rows_too` (bf16) those of
+  `x` quantized along its rows too."""
   tile = quantize_mgpu.TILE_C
   rp, cp = _round_up(r, tile), _round_up(c, tile)
 
@@ -212,10 +218,14 @@ def _transpose_quantize_fn(r: int, c: int):
       jnp.pad(_expand(s, 1, r), ((0, 0), (0, rp - r)), constant_values=1)
       for s in scales
     ]
-    v, se = quantize_mgpu.transpose_quantize_mgpu(
-      x, *sx, interpret=_interpret()
+    v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+      x, *sx, interpret=_interpret(), rows_too=rows_too
     )
-    return v[:c, :r], se.T[:c, : -(-r // tile)]
+    out = (v[:c, :r], se.T[:c, : -(-r // tile)])
+    if rows_too:
+      vr, ser = rows
+      out += (vr[:r, :c], ser.T[:r, : -(-c // tile)])
+    return out
 
   @jax.custom_batching.custom_vmap
   def f(*args):
@@ -223,7 +233,8 @@ def _transpose_quantize_fn(r: int, c: int):
 
   @f.def_vmap
   def _rule(axis_size, in_batched, *args):
-    return _map_batch(one, axis_size, in_batched, args), (True, True)
+    out = _map_batch(one, axis_size, in_batched, args)
+    return out, (True,) * len(out)
 
   return f
 
@@ -248,6 +259,18 @@ def _quantize_t_mosaic(x, scales, x_block, block, seed_hash):
   return _quantize_t_of_source(
     _quantize_2d_mosaic, x, scales, x_block, block, seed_hash
   )
+
+
+def _quantize_both_mosaic(x, block):
+  """`x` quantized along its rows and, transposed, along its columns, from
+  one read of `x` (the transposing kernel's `rows_too`): `(quantize_2d's
+  values and scales, quantize_t's)`, where that applies (bf16 `x`, 1 x 128
+  blocks, round to nearest); None elsewhere."""
+  r, c = x.shape
+  if tuple(block) != (1, 128) or x.dtype != jnp.bfloat16 or 0 in (r, c):
+    return None
+  v_t, s_t, v, s = _transpose_quantize_fn(r, c, rows_too=True)(x)
+  return (v, s), (v_t, s_t)
 
 
 def _expand(s_RC, br: int, rows: int):
@@ -383,6 +406,10 @@ class _Impl:
   # `(x, scales, x_block, block, seed_hash)`: `x^T` quantized in `block`s
   # (no Hadamard), `x` raw (`scales` None) or quantized in `x_block`s.
   quantize_t: object = _quantize_t_xla
+  # `(x, block)`: `(quantize_2d(x), quantize_t(x))` from one pass over a
+  # raw `x` (round to nearest), or None where it does not apply. None:
+  # never (the two separately).
+  quantize_both: object = None
 
 
 IMPLEMENTATIONS = {
@@ -392,6 +419,7 @@ IMPLEMENTATIONS = {
     _matmul_mosaic,
     _quantizing_matmul_mosaic,
     _quantize_t_mosaic,
+    _quantize_both_mosaic,
   ),
 }
 
@@ -580,7 +608,20 @@ def _mm_bwd(cfg, res, g_mn):
   fp8_dw = keep_b and cfg.grad_rhs_fp8
 
   @functools.cache
+  def g_both():
+    """g quantized along n (for dX) and, transposed, along m (for an FP8
+    dW) in one pass, where both are needed and the implementation can
+    (1 x 128 blocks, round to nearest); None elsewhere."""
+    if not (keep_a and fp8_dw and seed_hash is None and impl.quantize_both):
+      return None
+    if grad_block[0] == grad_block[1]:  # square blocks: g^T shares them
+      return None
+    return impl.quantize_both(g_mn, grad_block)
+
+  @functools.cache
   def g_q():
+    if g_both() is not None:
+      return g_both()[0]
     return impl.quantize_2d(g_mn, grad_block, None, 0, seed_hash)
 
   da = db = None
@@ -617,7 +658,10 @@ def _mm_bwd(cfg, res, g_mn):
       else:
         # Both operands quantized again along m, transposed: g from bf16,
         # the lhs from its values and scales (dequantized in registers).
-        gt = impl.quantize_t(g_mn, None, None, grad_block, seed_hash)
+        if g_both() is not None:
+          gt = g_both()[1]
+        else:
+          gt = impl.quantize_t(g_mn, None, None, grad_block, seed_hash)
         at = impl.quantize_t(a_v, a_s, cfg.a_block, grad_block, None)
         gt, at = (*gt, grad_block), (*at, grad_block)
       acc = _acc_dtype(cfg, cfg.b_dtype)

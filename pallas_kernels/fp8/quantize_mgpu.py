@@ -638,23 +638,25 @@ def _transpose_kernel(
   x_gmem,
   eye_gmem,
   sx_gmem,
-  q_gmem,
-  se_gmem,
-  eye_smem,
-  q_smem,
-  s_smem,
-  bar,
-  *,
+  *refs,
   steps,
   stages,
   scaled,
+  rows_too,
 ):
   """Program `(c, r)`: column tile `c` of `x` (row tile of `x^T`) over
   `steps` row tiles. Per `[128, 128]` tile, two wgmmas with rows of the
   identity as the left operand and the tile read transposed as the right
   one put `x^T` in registers (exact: every product is `1 * x` or `0 * x`,
   summed in f32), times `x`'s own scales where it arrives quantized; then
-  the 1 x 128 block maxima are row maxima, as in `quantize_mgpu`."""
+  the 1 x 128 block maxima are row maxima, as in `quantize_mgpu`.
+  `rows_too`: the tile as it is is quantized along its rows as well, into
+  a second pair of outputs (`quantize_mgpu`'s values and scales)."""
+  if rows_too:
+    q_gmem, se_gmem, qr_gmem, ser_gmem, eye_smem, q_smem, s_smem = refs[:7]
+    qr_smem, sr_smem, bar = refs[7:]
+  else:
+    q_gmem, se_gmem, eye_smem, q_smem, s_smem, bar = refs
   ct, rt = lax.axis_index("c"), lax.axis_index("r")
   plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, bar.at[0])
   plgpu.barrier_wait(bar.at[0])
@@ -663,8 +665,9 @@ def _transpose_kernel(
     (s,) = idx
     slot = lax.rem(s, 2)
     tile = rt * steps + s  # row tile of x: column tile of x^T
-    # The stores issued two steps ago read this slot (two groups a step).
-    plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+    # The stores issued two steps ago read this slot (two groups a step,
+    # four with the rows' outputs).
+    plgpu.wait_smem_to_gmem(4 if rows_too else 2, wait_read_only=True)
     for half in range(2):
       rows = pl.ds(half * TILE_R, TILE_R)
       y = mosaic.matmul(
@@ -676,6 +679,12 @@ def _transpose_kernel(
       q, scale = quantize_chunk(y, jnp.max(jnp.abs(y), axis=1))
       q_smem.at[slot, rows][...] = q
       s_smem.at[slot, :, rows][0, :] = scale
+      if rows_too:
+        xr = plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA)
+        xr = xr.astype(jnp.float32)
+        q, scale = quantize_chunk(xr, jnp.max(jnp.abs(xr), axis=1))
+        qr_smem.at[slot, rows][...] = q
+        sr_smem.at[slot, :, rows][0, :] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(
       q_smem.at[slot],
@@ -684,6 +693,15 @@ def _transpose_kernel(
     plgpu.copy_smem_to_gmem(
       s_smem.at[slot], se_gmem.at[pl.ds(tile, 1), pl.ds(ct * TILE_C, TILE_C)]
     )
+    if rows_too:
+      plgpu.copy_smem_to_gmem(
+        qr_smem.at[slot],
+        qr_gmem.at[pl.ds(tile * TILE_C, TILE_C), pl.ds(ct * TILE_C, TILE_C)],
+      )
+      plgpu.copy_smem_to_gmem(
+        sr_smem.at[slot],
+        ser_gmem.at[pl.ds(ct, 1), pl.ds(tile * TILE_C, TILE_C)],
+      )
 
   run = pl.ds(rt * steps * TILE_C, steps * TILE_C)
   in_specs = [
@@ -703,9 +721,17 @@ def _transpose_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages"))
+@functools.partial(
+  jax.jit, static_argnames=("interpret", "num_sms", "stages", "rows_too")
+)
 def transpose_quantize_mgpu(
-  x_rc, sx_Cr=None, *, interpret=False, num_sms=None, stages=2
+  x_rc,
+  sx_Cr=None,
+  *,
+  interpret=False,
+  num_sms=None,
+  stages=2,
+  rows_too=False,
 ):
   """`(v_cr, se_Rc)`: `x^T` quantized round to nearest in 1 x 128 blocks
   (along `r`), the values and scales `quantize_mgpu(x.T, block=(1, 128))`
@@ -714,7 +740,12 @@ def transpose_quantize_mgpu(
   as `quantize_mgpu` writes them): then `x^T` is dequantized in registers
   and quantized again, as `quantize_mgpu(dequantize(x).T)` would. `r` and
   `c` must be multiples of 128. Grid form: programs of `steps` tiles of one
-  column tile, `stages` tiles in flight."""
+  column tile, `stages` tiles in flight.
+
+  `rows_too` (bf16 `x`): also `x` quantized along its rows, as
+  `quantize_mgpu(x, block=(1, 128))` gives it (`v_rc`, `se_Cr`), from the
+  same read of `x`: returns `(v_cr, se_Rc, v_rc, se_Cr)`. The FP8
+  backward quantizes `g` both ways (for dX and for dW)."""
   r, c = x_rc.shape
   if r % TILE_C or c % TILE_C:
     raise ValueError(f"transpose_quantize_mgpu needs 128 | r, c: {r=} {c=}")
@@ -725,6 +756,8 @@ def transpose_quantize_mgpu(
     raise ValueError(f"scales {sx_Cr.shape} for x {x_rc.shape}")
   if not scaled and x_rc.dtype != jnp.bfloat16:
     raise ValueError(f"x must be bf16 (or e4m3 with scales): {x_rc.dtype}")
+  if rows_too and scaled:
+    raise ValueError("rows_too quantizes a bf16 x, not e4m3 values")
   dtype = x_rc.dtype
   row_tiles, col_tiles = r // TILE_C, c // TILE_C
   # About one program per SM: a program's pipeline starts and drains once,
@@ -738,23 +771,38 @@ def transpose_quantize_mgpu(
     row_tiles, col_tiles, mosaic.num_sms(num_sms), per_sm=1
   )
   kernel = functools.partial(
-    _transpose_kernel, steps=steps, stages=min(steps, stages), scaled=scaled
+    _transpose_kernel,
+    steps=steps,
+    stages=min(steps, stages),
+    scaled=scaled,
+    rows_too=rows_too,
   )
   eye = jnp.eye(TILE_C, dtype=dtype)
   sx = sx_Cr.astype(jnp.float32) if scaled else jnp.zeros((1, 1), jnp.float32)
   tiles = F8_TILES if scaled else mosaic.TILES
+  outputs = [
+    jax.ShapeDtypeStruct((c, r), fmt.E4M3),
+    jax.ShapeDtypeStruct((r // TILE_C, c), jnp.float32),
+  ]
+  # Values and scales of one tile, two slots (the rows' pair with rows_too).
+  slots = [
+    plgpu.SMEM((2, TILE_C, TILE_C), fmt.E4M3),
+    plgpu.SMEM((2, 1, TILE_C), jnp.float32),
+  ]
+  if rows_too:
+    outputs += [
+      jax.ShapeDtypeStruct((r, c), fmt.E4M3),
+      jax.ShapeDtypeStruct((c // TILE_C, r), jnp.float32),
+    ]
+    slots += slots
   return plgpu.kernel(
     kernel,
-    out_type=(
-      jax.ShapeDtypeStruct((c, r), fmt.E4M3),
-      jax.ShapeDtypeStruct((r // TILE_C, c), jnp.float32),
-    ),
+    out_type=tuple(outputs),
     grid=(col_tiles, row_tiles // steps),
     grid_names=("c", "r"),
     scratch_types=(
       plgpu.SMEM((TILE_C, TILE_C), dtype, transforms=tiles),
-      plgpu.SMEM((2, TILE_C, TILE_C), fmt.E4M3),
-      plgpu.SMEM((2, 1, TILE_C), jnp.float32),
+      *slots,
       plgpu.Barrier(num_barriers=1),
     ),
     interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -586,7 +586,9 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   """`x^T` quantized from `x` as stored (bf16, or e4m3 values with their
   scales, dequantized in registers) equals `quantize_mgpu` of the
   transposed (dequantized) matrix bit for bit: the identity wgmma's sums
-  are exact. Programs of one tile, and of three (the output slots wrap)."""
+  are exact. Programs of one tile, and of three (the output slots wrap).
+  From bf16, `rows_too` also gives `quantize_mgpu(x)` itself, bit for bit,
+  from the same read (the FP8 backward's two quantizations of `g`)."""
   # About one program per SM: 6 of one tile, 4 of three.
   assert (
     quantize_mgpu._steps_per_program(r // 128, c // 128, num_sms, per_sm=1)
@@ -600,13 +602,23 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
     src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128), interpret=True)
     sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
     x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
-  v, se = quantize_mgpu.transpose_quantize_mgpu(
-    src, sx, interpret=True, num_sms=num_sms
+  v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+    src, sx, interpret=True, num_sms=num_sms, rows_too=not scaled
   )
   rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128), interpret=True)
   assert v.shape == (c, r) and se.shape == (r // 128, c)
   np.testing.assert_array_equal(se, rse)
   np.testing.assert_array_equal(v.astype(jnp.float32), rv.astype(jnp.float32))
+  if not scaled:
+    vr, ser = rows
+    want_v, want_s = quantize_mgpu.quantize_mgpu(
+      x, block=(1, 128), interpret=True
+    )
+    assert vr.shape == (r, c) and ser.shape == want_s.shape
+    np.testing.assert_array_equal(ser, want_s)
+    np.testing.assert_array_equal(
+      vr.astype(jnp.float32), want_v.astype(jnp.float32)
+    )
 
 
 def test_transpose_quantize_refuses_bad_input():
@@ -621,18 +633,29 @@ def test_transpose_quantize_refuses_bad_input():
     quantize_mgpu.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn), jnp.ones((2, 128)), interpret=True
     )
+  with pytest.raises(ValueError, match="rows_too quantizes a bf16"):
+    quantize_mgpu.transpose_quantize_mgpu(
+      x.astype(jnp.float8_e4m3fn),
+      jnp.ones((1, 128)),
+      interpret=True,
+      rows_too=True,
+    )
 
 
 def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   """The FP8 weight gradient (1 x 128 activations) quantizes g^T from g
   and the lhs^T from the forward's values and scales with the transposing
-  kernel, not by writing transposes first; results equal the reference,
-  also off the 128-row tile and under vmap."""
+  kernel, not by writing transposes first, and g for dX in the same pass
+  as g^T; results equal the reference, also off the 128-row tile and
+  under vmap."""
   calls = _spy(
     monkeypatch,
     quantize_mgpu,
     "transpose_quantize_mgpu",
-    lambda x, *_, **__: (x.shape, x.dtype.name),
+    lambda x, *_, rows_too=False, **__: (x.shape, x.dtype.name, rows_too),
+  )
+  plain = _spy(
+    monkeypatch, quantize_mgpu, "quantize_mgpu", lambda x, *_, **__: x.shape
   )
   x = _data(jax.random.key(51), (70, 256), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(52), (256, 300), jnp.bfloat16, spread=1.0)
@@ -641,8 +664,13 @@ def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
     fp8.fp8_dot_general, dimension_numbers=DN, grad_rhs_fp8=True
   )
   o1, grads1 = _grads(functools.partial(f, implementation="mosaic"), x, w, g)
-  # g [70, 300] and x [70, 256], rows padded to 128, columns to 384 / 256.
-  assert calls == [((128, 384), "bfloat16"), ((128, 256), "float8_e4m3fn")]
+  # g [70, 300] (both ways) and x [70, 256], rows padded to 128, columns
+  # to 384 / 256; the quantize kernel only for x and w in the forward.
+  assert calls == [
+    ((128, 384), "bfloat16", True),
+    ((128, 256), "float8_e4m3fn", False),
+  ]
+  assert (128, 384) not in plain, plain
   o2, grads2 = _grads(functools.partial(f, implementation="xla"), x, w, g)
   for a, b in ((o1, o2), *zip(grads1, grads2, strict=True)):
     _close_bf16(a, b)
@@ -1107,8 +1135,9 @@ def test_gpu_split_k_matmul(m, n, k):
 )
 def test_gpu_transpose_quantize_kernel(r, c, num_sms, scaled):
   """Compiled: `x^T` quantized (or requantized) in one pass equals the
-  quantize kernel on the transposed (dequantized) matrix, bit for bit;
-  with `num_sms=8`, programs of 24 tiles."""
+  quantize kernel on the transposed (dequantized) matrix, bit for bit,
+  and from bf16 (`rows_too`) the quantize kernel on `x` itself too; with
+  `num_sms=8`, programs of 48 tiles."""
   x = _data(jax.random.key(54), (r, c), jnp.bfloat16)
   src, sx = x, None
   if scaled:
@@ -1116,12 +1145,20 @@ def test_gpu_transpose_quantize_kernel(r, c, num_sms, scaled):
     x = (src.astype(jnp.float32) * jnp.repeat(sx, 128, axis=0).T).astype(
       jnp.bfloat16
     )
-  v, se = quantize_mgpu.transpose_quantize_mgpu(src, sx, num_sms=num_sms)
+  v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+    src, sx, num_sms=num_sms, rows_too=not scaled
+  )
   rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128))
   np.testing.assert_array_equal(np.asarray(se), np.asarray(rse))
   np.testing.assert_array_equal(
     np.asarray(v, np.float32), np.asarray(rv, np.float32)
   )
+  if not scaled:
+    wv, wse = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
+    np.testing.assert_array_equal(np.asarray(rows[1]), np.asarray(wse))
+    np.testing.assert_array_equal(
+      np.asarray(rows[0], np.float32), np.asarray(wv, np.float32)
+    )
 
 
 @pytest.mark.gpu
