@@ -278,23 +278,28 @@ def run_main(ctx, records, ceilings):
   flops = ctx["flops"]
   intensity = flops / ctx["bytes_fwd"]  # FLOP per byte
   roof = min(peak, bw * intensity)  # TFLOP/s
+
+  def on_roofline(impl, frac, goal=None):
+    records.append(
+      common.record(
+        "gdpa",
+        case,
+        impl,
+        "fwd_roofline_fraction",
+        frac,
+        baseline="roofline_tflops",
+        baseline_value=roof,
+        goal=goal,
+        ratio=frac,
+      )
+    )
+
   if copy_like is not None and roof < peak:
     # Where the roofline is the bandwidth's, the op that only moves the
     # forward's bytes shows how near it any op gets in practice.
     frac = flops / copy_like / 1e12 / roof
     print(f"{case:12s} {SAME_BYTES}: {frac:.1%} of the roofline", flush=True)
-    records.append(
-      common.record(
-        "gdpa",
-        case,
-        SAME_BYTES,
-        "fwd_roofline_fraction",
-        frac,
-        baseline="roofline_tflops",
-        baseline_value=roof,
-        ratio=frac,
-      )
-    )
+    on_roofline(SAME_BYTES, frac)
   if ("mosaic", "fwd") not in times:
     return False
   achieved = flops / times["mosaic", "fwd"] / 1e12
@@ -303,36 +308,13 @@ def run_main(ctx, records, ceilings):
     f"FLOP/B): forward at {achieved / roof:.1%}",
     flush=True,
   )
-  records.append(
-    common.record(
-      "gdpa",
-      case,
-      "mosaic",
-      "fwd_roofline_fraction",
-      achieved / roof,
-      baseline="roofline_tflops",
-      baseline_value=roof,
-      goal=ROOFLINE_GOAL,
-      ratio=achieved / roof,
-    )
-  )
+  on_roofline("mosaic", achieved / roof, goal=ROOFLINE_GOAL)
   if ctx["base"]["fwd"] is not None:
     # The forward speed goal restated on the roofline: the fraction of it
     # a forward `GOALS["fwd"]` times as fast as cuDNN's would run at.
     need = GOALS["fwd"] * flops / ctx["base"]["fwd"] / 1e12 / roof
     print(f"{case:12s} the forward goal needs {need:.1%} of it", flush=True)
-    records.append(
-      common.record(
-        "gdpa",
-        case,
-        f"{GOALS['fwd']}x cudnn_padded",
-        "fwd_roofline_fraction",
-        need,
-        baseline="roofline_tflops",
-        baseline_value=roof,
-        ratio=need,
-      )
-    )
+    on_roofline(f"{GOALS['fwd']}x cudnn_padded", need)
   return errs is not None
 
 

@@ -228,6 +228,15 @@ def _fit_stages(bs: BlockSizes, kb: int, out_dtype) -> BlockSizes:
 _SPLIT_MIN_K_STEPS = 64
 
 
+def _ctas(m: int, n: int, bs: BlockSizes) -> int:
+  """CTAs of one run over an `[m, n]` output (a last partial row tile
+  counts; clusters count each of their CTAs)."""
+  clu_m, clu_n = bs.cluster_tile()
+  return (
+    -(-m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
+  )
+
+
 def k_splits(
   m: int, n: int, k: int, bs: BlockSizes, num_sms: int | None = None
 ):
@@ -235,12 +244,9 @@ def k_splits(
   doubled while the product's CTAs (output tiles, times the runs) fill no
   more than the chip and each run keeps >= `_SPLIT_MIN_K_STEPS` k-steps;
   1 for products whose tiles fill the chip. A weight gradient such as
-  `dW [2048, 512]` over 65,536 tokens has 64 CTA tiles for 132 SMs: two
-  runs of 32,768."""
-  clu_m, clu_n = bs.cluster_tile()
-  ctas = (
-    -(-m // clu_m) * (n // clu_n) * (1 + (bs.cluster_dimension is not None))
-  )
+  `dW [2048, 512]` over 65,536 tokens has 64 CTA tiles of 128 x 128 for
+  132 SMs: two runs of 32,768."""
+  ctas = _ctas(m, n, bs)
   steps, splits = k // bs.tile_k, 1
   num_sms = mosaic.num_sms(num_sms)
   while (
@@ -255,11 +261,13 @@ def k_splits(
 def split_k_plan(
   m: int, n: int, k: int, kb: int, num_sms: int | None = None
 ) -> tuple[BlockSizes, int]:
-  """Block sizes and runs (`k_splits`) for a product computed as f32
+  """Block sizes and runs (`k_splits`, > 1) for a product computed as f32
   split-K partials: of the default tile (`default_block_sizes(kb,
-  float32)`) and the plain two-warpgroup 128 x 128 one, the one whose
-  CTAs, times its runs, fill more of the chip's SMs in their last wave
-  (the default unless the other fills at least a tenth more). A weight
+  float32)`) and the plain two-warpgroup 128 x 128 one, among those that
+  split, the one whose CTAs, times its runs, fill more of the chip's SMs
+  in their last wave (the default unless the other fills at least a tenth
+  more); `(default, 1)` where neither splits (the product runs whole, in
+  its own output's tile). A weight
   gradient `[2048, 512]` over 65,536 tokens has 44 CTA tiles of 192 x 128
   (two runs: 88 CTAs for 132 SMs) and 64 of 128 x 128 (128 CTAs). On the
   H200 (2026-12-04, a development run, the kernel alone with its partial
@@ -268,23 +276,20 @@ def split_k_plan(
   over 65,536; 192 x 128 tiles in 4 / 8 runs took 222.4 / 173.2 and
   225.9 / 184.5 us."""
   num_sms = mosaic.num_sms(num_sms)
-
-  def fill(bs, splits):
-    clu_m, clu_n = bs.cluster_tile()
-    ctas = splits * -(-m // clu_m) * (n // clu_n)
-    return ctas / (-(-ctas // num_sms) * num_sms)
-
-  plans = []
-  for bs in (
-    default_block_sizes(kb, jnp.float32),
-    _fit_stages(BlockSizes(), kb, jnp.float32),
-  ):
+  default = default_block_sizes(kb, jnp.float32)
+  plans, fits = [], False
+  for bs in (default, _fit_stages(BlockSizes(), kb, jnp.float32)):
     if n % bs.cluster_tile()[1] or m < bs.cta_tile()[0]:
       continue
+    fits = True
     splits = k_splits(m, n, k, bs, num_sms)
-    plans.append((bs, splits, fill(bs, splits)))
-  if not plans:
+    if splits > 1:
+      ctas = splits * _ctas(m, n, bs)
+      plans.append((bs, splits, ctas / (-(-ctas // num_sms) * num_sms)))
+  if not fits:
     raise ValueError(f"split_k_plan: [{m}, {n}] fits neither tile")
+  if not plans:
+    return default, 1
   best = plans[0]
   for plan in plans[1:]:
     if plan[2] >= 1.1 * best[2]:
@@ -639,14 +644,6 @@ def quantizing_fits(
   return nbytes <= mosaic.SMEM_LIMIT
 
 
-def _quantize_rows(a_smem):
-  """A `[64, 128]` bf16 tile -> (e4m3 values, float32 row scales) in 1 x 128
-  blocks, as the quantize kernel does them (`quantize_mgpu.quantize_chunk`:
-  the values and power-of-two scales of `fp8.quantize`)."""
-  af = plgpu.load(a_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  return quantize_mgpu.quantize_chunk(af, jnp.max(jnp.abs(af), axis=1))
-
-
 def _quantizing_kernel(
   a_gmem,
   b_gmem,
@@ -750,7 +747,7 @@ def _quantizing_kernel(
       def _():
         plgpu.barrier_wait(q_free.at[qs])  # its step j - 2's wgmmas are done
 
-      q, scale = _quantize_rows(a_ring.at[a0 + slot])
+      q, scale = quantize_mgpu.quantize_rows(a_ring.at[a0 + slot])
       qa_ring[qs] = q
       sa_ring[qs] = scale
       plgpu.commit_smem()  # (with a warpgroup barrier: every thread's)

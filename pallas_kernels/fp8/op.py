@@ -614,8 +614,6 @@ def _mm_bwd(cfg, res, g_mn):
     (1 x 128 blocks, round to nearest); None elsewhere."""
     if not (keep_a and fp8_dw and seed_hash is None and impl.quantize_both):
       return None
-    if grad_block[0] == grad_block[1]:  # square blocks: g^T shares them
-      return None
     return impl.quantize_both(g_mn, grad_block)
 
   @functools.cache

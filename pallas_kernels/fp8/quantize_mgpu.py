@@ -131,7 +131,7 @@ def quantize_chunk(
   blocks' maxima are `amax` (one per row); returns (e4m3, scale). With
   `sr`, stochastic rounding by the bits of each element's `(row, col)`
   position (offset by `row0`, `col0`) in an `n_cols`-wide matrix and the
-  hashed seed `seed_b`. The fp8 matmul quantizes its `a` tiles with it."""
+  hashed seed `seed_b`."""
   scale, inv = fmt.pow2_scale(amax)
   y = y * _bcast_rows(inv, y.shape)
   if sr:
@@ -145,6 +145,15 @@ def quantize_chunk(
     return fmt.round_e4m3(y, bits).astype(fmt.E4M3), scale
   # Round to nearest even: the hardware cvt (see the module docstring).
   return y.astype(fmt.E4M3), scale
+
+
+def quantize_rows(x_smem):
+  """A `[64, 128]` bf16 tile in shared memory -> (e4m3 values, float32 row
+  scales) in 1 x 128 blocks (`quantize_chunk`: the values and power-of-two
+  scales of `fp8.quantize`). The fp8 matmul quantizes its `a` tiles with
+  it, the transposing kernel its tiles' rows (`rows_too`)."""
+  y = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  return quantize_chunk(y, jnp.max(jnp.abs(y), axis=1))
 
 
 def _tile_body(
@@ -680,9 +689,7 @@ def _transpose_kernel(
       q_smem.at[slot, rows][...] = q
       s_smem.at[slot, :, rows][0, :] = scale
       if rows_too:
-        xr = plgpu.load(x_smem.at[rows], layout=plgpu.Layout.WGMMA)
-        xr = xr.astype(jnp.float32)
-        q, scale = quantize_chunk(xr, jnp.max(jnp.abs(xr), axis=1))
+        q, scale = quantize_rows(x_smem.at[rows])
         qr_smem.at[slot, rows][...] = q
         sr_smem.at[slot, :, rows][0, :] = scale
     plgpu.commit_smem()
