@@ -41,7 +41,10 @@ With 128 x 128 weight blocks (`b_scale_uniform`) `sb[j]` is one number per
 warpgroup tile, so it is folded into the row scales first and the promotion
 is one FMA per element, `acc += p * (sa[j] sb[j])`: on the H200 that alone
 took the kernel from 876 to 1061 TFLOP/s (the multiply per element was what
-kept the tensor cores waiting).
+kept the tensor cores waiting). Where `b`'s scales are per row too (FP8
+weight gradients) that multiply stays, and the product runs on two
+warpgroups with two block products in flight each
+(`PER_ROW_B_BLOCK_SIZES`), each promoting one block while the other runs.
 
 Bandwidth: an fp8 GEMM with 128 x 128 CTA tiles reads 1/128 B of operands
 from L2 per FLOP, about 6.8 TB/s at 873 TFLOP/s, near what we take the
@@ -193,6 +196,18 @@ DEFAULT_BLOCK_SIZES = {
   32: BlockSizes(),
 }
 
+# With per-row scales on both sides (FP8 weight gradients: `g` and `x` in
+# 1 x 128 blocks along the tokens) the promotion takes a column scale per
+# element, not one FMA: two warpgroups with two block products in flight
+# each (the promotion of one overlaps the other's wgmma) beat the three of
+# `DEFAULT_BLOCK_SIZES`. On the H200 (2026-12-04, a development run, the
+# kernel alone, in alternation): 585.8 against 699.1 us at 4096 x 4096 x
+# 16384 (the weight gradient of 16384 x 4096 x 4096), and in the split-K
+# runs of `split_k_plan` 152.0 against 173.9 us at 2048 x 512 x 65536,
+# 149.9 against 161.9 at 512 x 2048 x 65536 (against the plain 128 x 128
+# tile); 2-CTA clusters or 4 stages measured no better.
+PER_ROW_B_BLOCK_SIZES = {128: BlockSizes(tile_k=256, max_concurrent_steps=3)}
+
 # Shared memory a CTA may take on Hopper (227 KiB).
 SMEM_BYTES = 227 * 1024
 
@@ -207,10 +222,15 @@ def smem_bytes(bs: BlockSizes, kb: int, out_dtype) -> int:
   return bs.max_concurrent_steps * stage + bs.compute_wgs * slots * epi
 
 
-def default_block_sizes(kb: int, out_dtype=jnp.bfloat16) -> BlockSizes:
-  """`DEFAULT_BLOCK_SIZES[kb]` with as many stages as fit beside the
-  epilogue buffers of `out_dtype` (f32 split-K partials take twice bf16's)."""
-  return _fit_stages(DEFAULT_BLOCK_SIZES.get(kb, BlockSizes()), kb, out_dtype)
+def default_block_sizes(
+  kb: int, out_dtype=jnp.bfloat16, uniform: bool = True
+) -> BlockSizes:
+  """`DEFAULT_BLOCK_SIZES[kb]` (`PER_ROW_B_BLOCK_SIZES[kb]` for `b` scales
+  that are not `uniform`, see `scaled_matmul_mgpu`) with as many stages as
+  fit beside the epilogue buffers of `out_dtype` (f32 split-K partials take
+  twice bf16's)."""
+  table = DEFAULT_BLOCK_SIZES if uniform else PER_ROW_B_BLOCK_SIZES
+  return _fit_stages(table.get(kb, BlockSizes()), kb, out_dtype)
 
 
 def _fit_stages(bs: BlockSizes, kb: int, out_dtype) -> BlockSizes:
@@ -259,24 +279,31 @@ def k_splits(
 
 
 def split_k_plan(
-  m: int, n: int, k: int, kb: int, num_sms: int | None = None
+  m: int,
+  n: int,
+  k: int,
+  kb: int,
+  num_sms: int | None = None,
+  uniform: bool = True,
 ) -> tuple[BlockSizes, int]:
   """Block sizes and runs (`k_splits`, > 1) for a product computed as f32
-  split-K partials: of the default tile (`default_block_sizes(kb,
-  float32)`) and the plain two-warpgroup 128 x 128 one, among those that
-  split, the one whose CTAs, times its runs, fill more of the chip's SMs
-  in their last wave (the default unless the other fills at least a tenth
+  split-K partials: of the default tile (`default_block_sizes(kb, float32,
+  uniform)`) and the plain two-warpgroup 128 x 128 one, among those that
+  split, the one whose CTAs, times its runs, fill more of the chip's SMs in
+  their last wave (the default unless the other fills at least a tenth
   more); `(default, 1)` where neither splits (the product runs whole, in
-  its own output's tile). A weight
-  gradient `[2048, 512]` over 65,536 tokens has 44 CTA tiles of 192 x 128
-  (two runs: 88 CTAs for 132 SMs) and 64 of 128 x 128 (128 CTAs). On the
-  H200 (2026-12-04, a development run, the kernel alone with its partial
-  sum, 7 rounds in alternation, medians): 161.2
-  against 224.4 us at [2048, 512] and 162.6 against 228.6 at [512, 2048]
-  over 65,536; 192 x 128 tiles in 4 / 8 runs took 222.4 / 173.2 and
-  225.9 / 184.5 us."""
+  its own output's tile).
+
+  With uniform `b` scales, a product `[2048, 512]` over 65,536 has 44 CTA
+  tiles of 192 x 128 (two runs: 88 CTAs for 132 SMs) and 64 of 128 x 128
+  (128 CTAs). On the H200 (2026-12-04, a development run, the kernel alone
+  with its partial sum, 7 rounds in alternation, medians): 161.2 against
+  224.4 us at [2048, 512] and 162.6 against 228.6 at [512, 2048] over
+  65,536; 192 x 128 tiles in 4 / 8 runs took 222.4 / 173.2 and 225.9 /
+  184.5 us. The FP8 weight gradient's scales are per row (not uniform):
+  its default tile is 128 x 128 already (`PER_ROW_B_BLOCK_SIZES`)."""
   num_sms = mosaic.num_sms(num_sms)
-  default = default_block_sizes(kb, jnp.float32)
+  default = default_block_sizes(kb, jnp.float32, uniform)
   plans, fits = [], False
   for bs in (default, _fit_stages(BlockSizes(), kb, jnp.float32)):
     if n % bs.cluster_tile()[1] or m < bs.cta_tile()[0]:
@@ -297,20 +324,22 @@ def split_k_plan(
   return best[0], best[1]
 
 
-def _block_scale(ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
-  """The `[tile_m, tile_n]` scale of one k-block's product: row scales `ra`
-  (wgmma row layout) times the weight scales of columns `n0 ..` of
-  `sb_cols` (a 1-D smem ref). `uniform` (128 x 128 weight blocks: one scale
-  for all of a warpgroup's columns) folds that scale into the row scales,
-  so the promotion is one FMA per element; the first `tile_m` entries are
-  read as a row vector, which needs `tile_m <= tile_n`."""
+def _promote(acc, p, ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
+  """`acc` plus one k-block's product `p` (`[tile_m, tile_n]`, wgmma
+  layout) scaled by the row scales `ra` (wgmma row layout) times the
+  weight scales of columns `n0 ..` of `sb_cols` (a 1-D smem ref).
+  `uniform` (128 x 128 weight blocks: one scale for all of a warpgroup's
+  columns) folds that scale into the row scales, so the promotion is one
+  FMA per element; the first `tile_m` entries are read as a row vector,
+  which needs `tile_m <= tile_n`."""
   if uniform and tile_m <= tile_n:
     cs = plgpu.load(sb_cols.at[pl.ds(n0, tile_m)], layout=_ROW)
-    return lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
+    return acc + p * lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
   cb = plgpu.load(sb_cols.at[pl.ds(n0, tile_n)], layout=_COL)
-  return lax.broadcast_in_dim(ra, (tile_m, tile_n), [0]) * lax.broadcast_in_dim(
-    cb, (tile_m, tile_n), [1]
-  )
+  scale = lax.broadcast_in_dim(
+    ra, (tile_m, tile_n), [0]
+  ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
+  return acc + p * scale
 
 
 def row_start(m_idx, cta_m: int, m: int):
@@ -492,10 +521,9 @@ def _kernel(
 
       def promote(acc, p, j, sa_smem, sb_smem):
         ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
-        scale = _block_scale(
-          ra, sb_smem.at[j], wg_n0, tile_m, tile_n, b_scale_uniform
+        return _promote(
+          acc, p, ra, sb_smem.at[j], wg_n0, tile_m, tile_n, b_scale_uniform
         )
-        return acc + p * scale
 
       def mma_body(_, a_smem, b_smem, sa_smem, sb_smem, acc):
         def product(p_ref, j):
@@ -795,13 +823,20 @@ def _quantizing_kernel(
 
         p = pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
         ra = plgpu.load(sa_ring.at[qs], layout=_ROW)
-        scale = _block_scale(
-          ra, sb_ring.at[slot], wg * tile_n, tile_m, tile_n, b_scale_uniform
+        acc = _promote(
+          acc,
+          p,
+          ra,
+          sb_ring.at[slot],
+          wg * tile_n,
+          tile_m,
+          tile_n,
+          b_scale_uniform,
         )
         plgpu.commit_smem()  # reads before the quantizer's / TMA's writes
         plgpu.barrier_arrive(q_free.at[qs])
         plgpu.barrier_arrive(b_free.at[slot])
-        return acc + p * scale
+        return acc
 
       acc0 = plgpu.layout_cast(
         jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA

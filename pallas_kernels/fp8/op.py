@@ -282,16 +282,17 @@ def _expand(s_RC, br: int, rows: int):
 def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
   """The kernel on one product; `quantize_a`: `a` raw bf16 (no `sa` arg),
   quantized in the kernel. Batched by folding into rows of `a`."""
+  # 128 x 128 weight blocks: one column scale per warpgroup tile and
+  # k-block (every tile is 128 columns wide).
+  uniform = b_rows % matmul_mgpu.BlockSizes.tile_n == 0
   if quantize_a:
     bs = matmul_mgpu.QuantizingBlockSizes()
     cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
     tile_k = kb
   else:
-    bs = matmul_mgpu.default_block_sizes(kb, out_dtype)
+    bs = matmul_mgpu.default_block_sizes(kb, out_dtype, uniform)
     cta_n, tile_k = bs.cluster_tile()[1], bs.tile_k
   kp = _round_up(k, tile_k)
-  # 128 x 128 weight blocks: one column scale per warpgroup tile and k-block.
-  uniform = b_rows % bs.tile_n == 0
 
   def one(a_mk, sa_Jm, b_nk, sb_Jn):
     rows = a_mk.shape[0]
@@ -323,7 +324,9 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       # Too few output tiles for the chip (weight gradients): split-K,
       # with f32 partial tiles (and the epilogue buffers for them), in
       # the tile that fills the chip better.
-      split_bs, splits = matmul_mgpu.split_k_plan(mp, np_, kp, kb)
+      split_bs, splits = matmul_mgpu.split_k_plan(
+        mp, np_, kp, kb, uniform=uniform
+      )
       if splits > 1:
         kw["block_sizes"] = split_bs
       out = matmul_mgpu.scaled_matmul_mgpu(

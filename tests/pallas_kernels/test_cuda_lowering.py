@@ -209,10 +209,10 @@ def _fp8_matmul_lowers(m, k, n, kb, bs, splits=1):
 @pytest.mark.parametrize("m,n", [(512, 2048), (2048, 512)])
 def test_fp8_matmul_split_k(m, n):
   """The FP8 weight gradients of the narrow benchmark shapes (65,536
-  tokens): split-K with f32 partial tiles, as the op runs them."""
+  tokens): split-K with f32 partial tiles, in the tile and runs the op
+  takes (per-row scales on both sides)."""
   k, kb = 65536, 128
-  bs = matmul_mgpu.default_block_sizes(kb, jnp.float32)
-  splits = matmul_mgpu.k_splits(m, n, k, bs)
+  bs, splits = matmul_mgpu.split_k_plan(m, n, k, kb, uniform=False)
   assert splits == 2
   _fp8_matmul_lowers(m, k, n, kb, bs, splits)
 

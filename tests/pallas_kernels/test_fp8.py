@@ -710,6 +710,16 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
     (128, (1, 128), (128, 128), _B(compute_wgs=3, cluster_dimension=_D.N), 256),
     # Two block products in flight per warpgroup.
     (128, (1, 128), (128, 128), _B(tile_k=256, max_concurrent_steps=2), 256),
+    # Per-row scales on both sides (an FP8 weight gradient): the op's
+    # default for them, two block products in flight, a column scale per
+    # element in the promotion.
+    (
+      128,
+      (1, 128),
+      (1, 128),
+      matmul_mgpu.default_block_sizes(128, jnp.float32, uniform=False),
+      768,
+    ),
     (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N), 256),
   ],
 )
@@ -795,6 +805,12 @@ def test_split_k_plan_takes_the_tile_that_fills_the_chip():
   assert (bs, splits) == (default, 2)
   # Enough tiles: no split.
   assert matmul_mgpu.split_k_plan(4096, 4096, 16384, 128, num_sms=132)[1] == 1
+  # Per-row scales on both sides (the FP8 weight gradient): their default
+  # tile, 128 x 128 with two block products in flight, in two runs.
+  per_row = matmul_mgpu.default_block_sizes(128, jnp.float32, uniform=False)
+  assert (per_row.cta_tile(), per_row.tile_k) == ((128, 128), 256)
+  plan = matmul_mgpu.split_k_plan(2048, 512, 65536, 128, 132, uniform=False)
+  assert plan == (per_row, 2)
   # Rows for neither tile.
   with pytest.raises(ValueError, match="fits neither"):
     matmul_mgpu.split_k_plan(64, 512, 65536, 128)
@@ -1108,8 +1124,9 @@ def test_gpu_split_k_matmul(m, n, k):
   b = _data(jax.random.key(61), (n, k), jnp.bfloat16)
   av, as_ = ref.quantize_reference(a, block=(1, 128))
   bv, bs_ = ref.quantize_reference(b, block=(1, 128))
-  # The tile and runs op.py takes (`split_k_plan`), and the default tile.
-  plan_bs, plan_splits = matmul_mgpu.split_k_plan(m, n, k, 128)
+  # The tile and runs op.py takes (`split_k_plan`; per-row scales on both
+  # sides), and the default tile.
+  plan_bs, plan_splits = matmul_mgpu.split_k_plan(m, n, k, 128, uniform=False)
   bs = matmul_mgpu.default_block_sizes(128, jnp.float32)
   outs = [
     matmul_mgpu.scaled_matmul_mgpu(
