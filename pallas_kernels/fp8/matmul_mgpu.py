@@ -205,8 +205,9 @@ DEFAULT_BLOCK_SIZES = {
 # 16384 (the weight gradient of 16384 x 4096 x 4096), and in the split-K
 # runs of `split_k_plan` 152.0 against 173.9 us at 2048 x 512 x 65536,
 # 149.9 against 161.9 at 512 x 2048 x 65536 (against the plain 128 x 128
-# tile); 2-CTA clusters or 4 stages measured no better.
-PER_ROW_B_BLOCK_SIZES = {128: BlockSizes(tile_k=256, max_concurrent_steps=3)}
+# tile); 2-CTA clusters measured no better. Two stages of 256-deep k-steps
+# are what fit beside the epilogue buffers.
+PER_ROW_B_BLOCK_SIZES = {128: BlockSizes(tile_k=256, max_concurrent_steps=2)}
 
 # Shared memory a CTA may take on Hopper (227 KiB).
 SMEM_BYTES = 227 * 1024
