@@ -804,13 +804,15 @@ def transpose_quantize_mgpu(
   )
   # Quantizing each tile both ways (rows_too), two compute warpgroups take
   # a half each, behind a memory warpgroup, with three tiles in flight; a
-  # transposed quantization alone is lighter work, done best by one
-  # warpgroup with two. On the H200 (2026-12-04, a development run, 7
-  # rounds in alternation, medians) two warpgroups against one, bf16 with
-  # rows_too: [65536, 2048] 165.9 against 185.4 us, [65536, 512] 47.1
-  # against 51.7, [16384, 4096] 88.2 against 99.0 (two stages: 174.0 /
-  # 49.0 / 92.4); e4m3 (requantized): [65536, 2048] 93.2 against 88.1,
-  # [16384, 4096] 46.4 against 42.6.
+  # transposed quantization alone is lighter work and keeps one warpgroup
+  # with two (timed for e4m3 input, below; bf16 input without rows_too,
+  # which the op takes under stochastic rounding or without dX, was not).
+  # On the H200 (2026-12-04, a development run, 7 rounds in alternation,
+  # medians) two warpgroups against one, bf16 with rows_too: [65536, 2048]
+  # 165.9 against 185.4 us, [65536, 512] 47.1 against 51.7, [16384, 4096]
+  # 88.2 against 99.0 (two stages: 174.0 / 49.0 / 92.4); e4m3
+  # (requantized): [65536, 2048] 93.2 against 88.1, [16384, 4096] 46.4
+  # against 42.6.
   wgs, stages = (2, 3) if rows_too else (1, 2)
   kernel = functools.partial(
     _transpose_kernel,

@@ -165,16 +165,18 @@ def test_fp8_quantize(block, hadamard):
   _lowers_for_cuda(f, _spec((16384, 4096)), kernels=1)
 
 
-@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("form", ["bf16", "bf16 rows_too", "e4m3"])
 @pytest.mark.parametrize("r,c", [(16384, 4096), (65536, 512)])
-def test_fp8_transpose_quantize(r, c, scaled):
-  """`x^T` quantized from bf16 `x` (and `x` along its rows in the same
-  pass, as the FP8 backward quantizes g), or requantized from e4m3 values
-  and their scales (the FP8 weight gradient's operands)."""
+def test_fp8_transpose_quantize(r, c, form):
+  """`x^T` quantized from bf16 `x` (one warpgroup; with `x` along its rows
+  in the same pass, as the FP8 backward quantizes g, two compute
+  warpgroups), or requantized from e4m3 values and their scales (the FP8
+  weight gradient's operands)."""
+  scaled = form == "e4m3"
   x = _spec((r, c), jnp.float8_e4m3fn if scaled else BF16)
   sx = _spec((c // 128, r), jnp.float32) if scaled else None
   f = lambda x, sx: quantize_mgpu.transpose_quantize_mgpu(
-    x, sx, rows_too=not scaled
+    x, sx, rows_too=form == "bf16 rows_too"
   )
   _lowers_for_cuda(f, x, sx, kernels=1)
 

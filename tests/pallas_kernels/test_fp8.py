@@ -576,12 +576,17 @@ def _forget_traces():
   jax.clear_caches()
 
 
-@pytest.mark.parametrize("scaled", [False, True])
+# The kernel's three forms: x^T from bf16 (one warpgroup), from bf16 with
+# x along its rows too (two compute warpgroups), from e4m3 values.
+TRANSPOSE_FORMS = ["bf16", "bf16 rows_too", "e4m3"]
+
+
+@pytest.mark.parametrize("form", TRANSPOSE_FORMS)
 @pytest.mark.parametrize(
   "r,c,num_sms,steps", [(384, 256, 4, 1), (1536, 128, 4, 3)]
 )
 def test_transpose_quantize_interpret_equals_quantize_of_transpose(
-  r, c, num_sms, steps, scaled
+  r, c, num_sms, steps, form
 ):
   """`x^T` quantized from `x` as stored (bf16, or e4m3 values with their
   scales, dequantized in registers) equals `quantize_mgpu` of the
@@ -598,18 +603,20 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   # A subnormal e4m3 result and zeros (the block maximum sets the scale).
   x = x.at[:4, 0].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
   src, sx = x, None
-  if scaled:
+  if form == "e4m3":
     src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128), interpret=True)
     sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
     x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
+  rows_too = form == "bf16 rows_too"
   v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
-    src, sx, interpret=True, num_sms=num_sms, rows_too=not scaled
+    src, sx, interpret=True, num_sms=num_sms, rows_too=rows_too
   )
   rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128), interpret=True)
   assert v.shape == (c, r) and se.shape == (r // 128, c)
   np.testing.assert_array_equal(se, rse)
   np.testing.assert_array_equal(v.astype(jnp.float32), rv.astype(jnp.float32))
-  if not scaled:
+  assert len(rows) == (2 if rows_too else 0)
+  if rows_too:
     vr, ser = rows
     want_v, want_s = quantize_mgpu.quantize_mgpu(
       x, block=(1, 128), interpret=True
@@ -1145,32 +1152,34 @@ def test_gpu_split_k_matmul(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("form", TRANSPOSE_FORMS)
 @pytest.mark.parametrize(
   "r,c,num_sms",
   [(6144, 2048, 132), (65536, 512, 132), (640, 384, 132), (6144, 2048, 8)],
 )
-def test_gpu_transpose_quantize_kernel(r, c, num_sms, scaled):
+def test_gpu_transpose_quantize_kernel(r, c, num_sms, form):
   """Compiled: `x^T` quantized (or requantized) in one pass equals the
   quantize kernel on the transposed (dequantized) matrix, bit for bit,
   and from bf16 (`rows_too`) the quantize kernel on `x` itself too; with
   `num_sms=8`, programs of 48 tiles."""
   x = _data(jax.random.key(54), (r, c), jnp.bfloat16)
   src, sx = x, None
-  if scaled:
+  if form == "e4m3":
     src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
     x = (src.astype(jnp.float32) * jnp.repeat(sx, 128, axis=0).T).astype(
       jnp.bfloat16
     )
+  rows_too = form == "bf16 rows_too"
   v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
-    src, sx, num_sms=num_sms, rows_too=not scaled
+    src, sx, num_sms=num_sms, rows_too=rows_too
   )
   rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128))
   np.testing.assert_array_equal(np.asarray(se), np.asarray(rse))
   np.testing.assert_array_equal(
     np.asarray(v, np.float32), np.asarray(rv, np.float32)
   )
-  if not scaled:
+  assert len(rows) == (2 if rows_too else 0)
+  if rows_too:
     wv, wse = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
     np.testing.assert_array_equal(np.asarray(rows[1]), np.asarray(wse))
     np.testing.assert_array_equal(
