@@ -104,6 +104,22 @@ GEMM ran 608.2 / 807.6 / 837.3 and cuBLAS bf16 731.6 / 744.8 / 788.2.
 `op.py` uses the kernel for products with at most
 512 output columns and a 16-bit output whose quantized `a` nothing else
 reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
+
+Quantizing in the compute warpgroups themselves, with `a` in registers
+(an 8-bit wgmma takes `a` from registers, in `Layout.WGMMA_8BIT`), was
+slower: each warpgroup loads its 64 x 128 bf16 block of the stage,
+quantizes it and issues the wgmma on the registers, with no hand-off,
+but every block is then quantized once per 128 output columns, twice as
+often as here, by the warpgroups that also promote. On the H200
+(2026-12-04, a development run of `scaled_matmul_mgpu` built that way,
+outputs bit-identical to quantize-first; 5 rounds in alternation,
+medians, us) its best of six tiles took 246.1 at 65536 x 2048 x 512,
+262.4 at 65536 x 512 x 2048 and 965.7 at 16384 x 4096 x 4096 (two
+warpgroups of 64 x 128 with 256-deep k-steps at the first and third,
+three warpgroups at the second), against this kernel's 231.2 at the
+first, quantize pass + GEMM's 226.0 / 172.0 / 491.8 and cuBLAS bf16's
+194.3 / 195.6 / 713.6. It ran at 525-570 TFLOP/s at all three shapes,
+so (an inference) the quantizing, not the shape, set its pace.
 """
 
 import dataclasses
