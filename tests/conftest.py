@@ -26,6 +26,7 @@ warpgroups. With 32 threads, 30 runs, two at a time beside two unchanged
 copies, all passed; turning XLA's async dispatch off did not help (2 of
 11 hung)."""
 
+import gc
 import os
 
 # Before JAX starts (see above).
@@ -40,6 +41,13 @@ os.environ["XLA_FLAGS"] = (
 import pytest  # noqa: E402
 
 from pallas_kernels import dispatch  # noqa: E402  (imports JAX)
+
+
+def pytest_collection_finish(session):
+  # Everything imported and collected so far lives for the whole session:
+  # out of the collector's sight (see `tests/__init__.py`).
+  gc.collect()
+  gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
