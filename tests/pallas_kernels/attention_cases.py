@@ -60,6 +60,7 @@ def assert_no_races(attn, q, k, v, do):
   """`attn(q, k, v)` and its vjp with `do` (forward and backward kernels)
   race-free under the detector."""
 
+  @jax.jit  # one program, not one per wrapper op
   def fwd_bwd(q, k, v):
     o, vjp = jax.vjp(attn, q, k, v)
     return o, vjp(do)

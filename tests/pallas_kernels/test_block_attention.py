@@ -47,12 +47,18 @@ def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
   def ref(q, k, v):
     return block_attention_reference(q, k, v, off, **kw)
 
+  def fwd_bwd(f):
+    # One jitted program each, not one per wrapper op (as in test_gdpa).
+    def run(q, k, v, do):
+      o, vjp = jax.vjp(f, q, k, v)
+      return (o, *vjp(do))
+
+    return jax.jit(run)
+
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  o, vjp = jax.vjp(ours, q, k, v)
-  got = [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+  got = [np.asarray(x, np.float32) for x in fwd_bwd(ours)(q, k, v, do)]
   with jax.default_matmul_precision("highest"):
-    o_r, vjp_r = jax.vjp(ref, *f32[:3])
-    want = [np.asarray(x) for x in (o_r, *vjp_r(f32[3]))]
+    want = [np.asarray(x) for x in fwd_bwd(ref)(*f32)]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
     assert np.isfinite(g).all(), name
     err = cases.rel_err(g, w)
@@ -117,7 +123,11 @@ def test_rope_f32_setting_picks_the_rotation_arithmetic():
   errs, outs = {}, {}
   for f32 in (True, False):
     bs = dataclasses.replace(SMALL, rope_f32=f32)
-    o = block_attention_mosaic(q, k, v, off, rope=1e4, block_sizes=bs)
+    o = jax.jit(
+      lambda q, k, v, bs=bs: block_attention_mosaic(
+        q, k, v, off, rope=1e4, block_sizes=bs
+      )
+    )(q, k, v)
     outs[f32] = np.asarray(o, np.float32)
     errs[f32] = cases.rel_err(outs[f32], np.asarray(want))
   assert not np.array_equal(outs[True], outs[False])

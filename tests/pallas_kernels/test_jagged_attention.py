@@ -46,8 +46,14 @@ def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal, **kw):
       **kw,
     )
 
-  o, vjp = jax.vjp(f, q, k, v)
-  return [np.asarray(x, np.float32) for x in (o, *vjp(do))]
+  # One program: op by op, every wrapper op (work lists, padding) would
+  # compile on its own.
+  @jax.jit
+  def fwd_bwd(q, k, v, do):
+    o, vjp = jax.vjp(f, q, k, v)
+    return o, *vjp(do)
+
+  return [np.asarray(x, np.float32) for x in fwd_bwd(q, k, v, do)]
 
 
 def _check_case(
@@ -384,7 +390,7 @@ def test_surplus_subtraction_kernel_interpret():
   for shift in (40.0, -4.0):  # real scores ~ shift, in log2 units
     q = 0.1 * q0 + direction * (shift * np.sqrt(h) / np.log2(np.e))
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    got = jagged_attention_mosaic(q16, k16, v16, off)
+    got = jax.jit(lambda *a: jagged_attention_mosaic(*a, off))(q16, k16, v16)
     want = jagged_attention_reference(
       *(x.astype(jnp.float32) for x in (q16, k16, v16)), off
     )
@@ -407,7 +413,7 @@ def test_vmap_interpret():
     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, off, causal=True), q, k, v)
     return (o, *vjp(do))
 
-  got = jax.vmap(lambda *a: fwd_bwd(jagged_attention_mosaic, *a))(
+  got = jax.jit(jax.vmap(lambda *a: fwd_bwd(jagged_attention_mosaic, *a)))(
     q, k, v, off, do
   )
   for i in range(2):
