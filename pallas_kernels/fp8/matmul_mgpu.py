@@ -118,7 +118,7 @@ medians, us) its best of six tiles took 246.1 at 65536 x 2048 x 512,
 warpgroups of 64 x 128 with 256-deep k-steps at the first and third,
 three warpgroups at the second), against this kernel's 231.2 at the
 first, quantize pass + GEMM's 226.0 / 172.0 / 491.8 and cuBLAS bf16's
-194.3 / 195.6 / 713.6. It ran at 525-570 TFLOP/s at all three shapes,
+194.3 / 195.6 / 713.6. It ran at 524-569 TFLOP/s at all three shapes,
 so (an inference) the quantizing, not the shape, set its pace.
 """
 

@@ -282,15 +282,21 @@ def _expand(s_RC, br: int, rows: int):
 def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
   """The kernel on one product; `quantize_a`: `a` raw bf16 (no `sa` arg),
   quantized in the kernel. Batched by folding into rows of `a`."""
-  # 128 x 128 weight blocks: one column scale per warpgroup tile and
-  # k-block (every tile is 128 columns wide).
-  uniform = b_rows % matmul_mgpu.BlockSizes.tile_n == 0
+
+  def uniform(bs) -> bool:
+    """`b_scale_uniform` for a kernel in tiles `bs`: one column scale per
+    warpgroup tile and k-block (128 x 128 weight blocks)."""
+    return b_rows % bs.tile_n == 0
+
   if quantize_a:
     bs = matmul_mgpu.QuantizingBlockSizes()
     cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
     tile_k = kb
   else:
-    bs = matmul_mgpu.default_block_sizes(kb, out_dtype, uniform)
+    # Per-row weight scales (FP8 weight gradients) have tiles of their own.
+    bs = matmul_mgpu.default_block_sizes(
+      kb, out_dtype, uniform(matmul_mgpu.BlockSizes())
+    )
     cta_n, tile_k = bs.cluster_tile()[1], bs.tile_k
   kp = _round_up(k, tile_k)
 
@@ -315,7 +321,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       out_dtype=out_dtype,
       block_sizes=bs,
       interpret=_interpret(),
-      b_scale_uniform=uniform,
+      b_scale_uniform=uniform(bs),
     )
     if quantize_a:
       out = matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, **kw)
@@ -325,10 +331,10 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       # with f32 partial tiles (and the epilogue buffers for them), in
       # the tile that fills the chip better.
       split_bs, splits = matmul_mgpu.split_k_plan(
-        mp, np_, kp, kb, uniform=uniform
+        mp, np_, kp, kb, uniform=uniform(bs)
       )
       if splits > 1:
-        kw["block_sizes"] = split_bs
+        kw.update(block_sizes=split_bs, b_scale_uniform=uniform(split_bs))
       out = matmul_mgpu.scaled_matmul_mgpu(
         a, sa, b, sb, kb=kb, splits=splits, **kw
       )
