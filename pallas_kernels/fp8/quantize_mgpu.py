@@ -151,9 +151,20 @@ def quantize_rows(x_smem):
   """A `[64, 128]` bf16 tile in shared memory -> (e4m3 values, float32 row
   scales) in 1 x 128 blocks (`quantize_chunk`: the values and power-of-two
   scales of `fp8.quantize`). The fp8 matmul quantizes its `a` tiles with
-  it, the transposing kernel its tiles' rows (`rows_too`)."""
-  y = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-  return quantize_chunk(y, jnp.max(jnp.abs(y), axis=1))
+  it, the transposing kernel its tiles' rows (`rows_too`).
+
+  The tile is loaded in the 8-bit wgmma layout, whose register groups hold
+  four adjacent columns (so the e4m3 values are stored 32 bits at a time,
+  not 16), and the row maxima are taken on the bf16 values (exact: |x| and
+  max lose nothing in bf16). Against the 16-bit wgmma
+  layout with f32 maxima, H200, 2026-12-04, 9 rounds in alternation,
+  outputs bit-identical: the quantizing GEMM 243.0 -> 227.8 us at 65536 x
+  2048 x 512, 460.0 -> 434.4 at 65536 x 2048 x 1024, 467.9 -> 437.6 at
+  65536 x 4096 x 512, 110.8 -> 110.0 at 16384 x 4096 x 512; the
+  transposing kernel with `rows_too` 91.6 -> 88.6 us at 16384 x 4096."""
+  x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA_8BIT)
+  amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
+  return quantize_chunk(x.astype(jnp.float32), amax)
 
 
 def _tile_body(
