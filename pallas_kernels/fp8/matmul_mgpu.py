@@ -86,9 +86,9 @@ warpgroups take the k-steps in turn: each waits for its bf16 tile (TMA),
 loads it into registers, takes the row maxima and power-of-two scales,
 writes e4m3 values and scales to shared memory
 (`quantize_mgpu.quantize_rows`), and signals the two compute warpgroups,
-which multiply as above. It pays only for narrow
-outputs: every 256 output columns quantize their `a` tile again, and one
-quantizer warpgroup alone was slower than the wgmmas (H200, session 7,
+which multiply as above. It pays only for narrow outputs: every 256
+output columns quantize their `a` tile again, and one quantizer
+warpgroup alone was slower than the wgmmas (H200, session 7,
 at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
 + GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
 quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles

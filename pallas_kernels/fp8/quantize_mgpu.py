@@ -127,11 +127,12 @@ def _bcast_rows(v, shape):
 def quantize_chunk(
   y, amax, *, sr: bool = False, seed_b=None, row0=0, col0=0, n_cols=0
 ):
-  """Scale, round and cast one `[64, w]` f32 chunk in wgmma layout whose
-  blocks' maxima are `amax` (one per row); returns (e4m3, scale). With
-  `sr`, stochastic rounding by the bits of each element's `(row, col)`
-  position (offset by `row0`, `col0`) in an `n_cols`-wide matrix and the
-  hashed seed `seed_b`."""
+  """Scale, round and cast one `[64, w]` f32 chunk in a wgmma layout (the
+  16-bit one, or the 8-bit one of `quantize_rows`) whose blocks' maxima
+  are `amax` (one per row); returns (e4m3, scale). With `sr` (16-bit
+  layout only: the positions' iotas are built in it), stochastic rounding
+  by the bits of each element's `(row, col)` position (offset by `row0`,
+  `col0`) in an `n_cols`-wide matrix and the hashed seed `seed_b`."""
   scale, inv = fmt.pow2_scale(amax)
   y = y * _bcast_rows(inv, y.shape)
   if sr:
@@ -156,12 +157,13 @@ def quantize_rows(x_smem):
   The tile is loaded in the 8-bit wgmma layout, whose register groups hold
   four adjacent columns (so the e4m3 values are stored 32 bits at a time,
   not 16), and the row maxima are taken on the bf16 values (exact: |x| and
-  max lose nothing in bf16). Against the 16-bit wgmma
-  layout with f32 maxima, H200, 2026-12-04, 9 rounds in alternation,
-  outputs bit-identical: the quantizing GEMM 243.0 -> 227.8 us at 65536 x
-  2048 x 512, 460.0 -> 434.4 at 65536 x 2048 x 1024, 467.9 -> 437.6 at
-  65536 x 4096 x 512, 110.8 -> 110.0 at 16384 x 4096 x 512; the
-  transposing kernel with `rows_too` 91.6 -> 88.6 us at 16384 x 4096."""
+  max lose nothing in bf16). Against the 16-bit wgmma layout with f32
+  maxima (H200, 2026-12-04, a development run, 9 rounds in alternation,
+  medians, outputs bit-identical): the quantizing GEMM 243.0 -> 227.8 us
+  at 65536 x 2048 x 512, 460.0 -> 434.4 at 65536 x 2048 x 1024, 467.9 ->
+  437.6 at 65536 x 4096 x 512, 110.8 -> 110.0 at 16384 x 4096 x 512; the
+  transposing kernel with `rows_too` 91.6 -> 88.6 us at [16384, 4096],
+  47.6 -> 46.8 at [65536, 512]."""
   x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA_8BIT)
   amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
   return quantize_chunk(x.astype(jnp.float32), amax)

@@ -47,18 +47,10 @@ def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
   def ref(q, k, v):
     return block_attention_reference(q, k, v, off, **kw)
 
-  def fwd_bwd(f):
-    # One jitted program each, not one per wrapper op (as in test_gdpa).
-    def run(q, k, v, do):
-      o, vjp = jax.vjp(f, q, k, v)
-      return (o, *vjp(do))
-
-    return jax.jit(run)
-
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  got = [np.asarray(x, np.float32) for x in fwd_bwd(ours)(q, k, v, do)]
+  got = [np.asarray(x, np.float32) for x in cases.fwd_bwd(ours)(q, k, v, do)]
   with jax.default_matmul_precision("highest"):
-    want = [np.asarray(x) for x in fwd_bwd(ref)(*f32)]
+    want = [np.asarray(x) for x in cases.fwd_bwd(ref)(*f32)]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
     assert np.isfinite(g).all(), name
     err = cases.rel_err(g, w)

@@ -42,19 +42,10 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
     kw_ref = {a: b for a, b in kw.items() if a != "tanh"}
     return gdpa_reference(q, k, v, q_off, kv_off, **bounds, **kw_ref)
 
-  def fwd_bwd(f):
-    # One jitted program each: op-by-op (eager) dispatch compiled every
-    # small op separately, ~1 minute per case on the H200.
-    def run(q, k, v, do):
-      o, vjp = jax.vjp(f, q, k, v)
-      return (o, *vjp(do))
-
-    return jax.jit(run)
-
-  got = [np.asarray(x, np.float32) for x in fwd_bwd(ours)(q, k, v, do)]
+  got = [np.asarray(x, np.float32) for x in cases.fwd_bwd(ours)(q, k, v, do)]
   with jax.default_matmul_precision("highest"):
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    want = [np.asarray(x) for x in fwd_bwd(ref)(*f32)]
+    want = [np.asarray(x) for x in cases.fwd_bwd(ref)(*f32)]
   for name, g, w in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
     assert np.isfinite(g).all(), name
     err = cases.rel_err(g, w)

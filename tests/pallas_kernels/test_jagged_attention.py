@@ -46,14 +46,7 @@ def _fwd_bwd(fn, q, k, v, do, q_off, kv_off, causal, **kw):
       **kw,
     )
 
-  # One program: op by op, every wrapper op (work lists, padding) would
-  # compile on its own.
-  @jax.jit
-  def fwd_bwd(q, k, v, do):
-    o, vjp = jax.vjp(f, q, k, v)
-    return o, *vjp(do)
-
-  return [np.asarray(x, np.float32) for x in fwd_bwd(q, k, v, do)]
+  return [np.asarray(x, np.float32) for x in cases.fwd_bwd(f)(q, k, v, do)]
 
 
 def _check_case(
