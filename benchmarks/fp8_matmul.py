@@ -26,6 +26,9 @@ Hadamard, as a fraction of the copy bandwidth measured here).
 `--norm-dense`: RMSNorm (residual add, gain) feeding the dense layer, as the
 model's blocks run it (`bench_norm_dense`): there the activation is quantized
 by the norm kernel, so the FP8 GEMM reads 8-bit input with no pass of its own.
+`--parts`: where the time goes, per shape: each kernel's device time per call
+in our forward and backwards and in cuBLAS bf16's, from a profiler trace
+(`parts`; results in `fp8_matmul_parts.json`).
 
 Timing: a measurement is `common.device_time` over back-to-back calls (inputs
 rotated between two sets), so launch gaps overlap: since 2026-12-01 the
@@ -48,7 +51,9 @@ with one or two copies per call.
 import argparse
 import dataclasses
 import functools
+import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -85,6 +90,37 @@ def _pullback(fn, *primals):
 
 
 _apply = jax.jit(lambda pull, dy: pull(dy))
+
+
+def _our_pullbacks(sets, fmt_name="deepseek", hb=None, rhs_fp8=False):
+  """`(pullback, dy)` per input set: the backward of our FP8 dense layer as
+  `_apply` runs it. Weights are quantized once per step, outside the timed
+  function; the pullback is taken with respect to x and w, as a training
+  step differentiates its parameters: its outputs are dx and dw, as
+  cuBLAS's are (differentiating the quantized tensor itself would also
+  return zeros for its e4m3 values, a 16 MB fill at 4096 x 4096)."""
+  qw = jax.jit(
+    lambda w: fp8.quantize(
+      w, axis=0, kind="weight", format=fmt_name, hadamard=hb
+    ).detach()
+  )
+
+  def pullback(x, w):
+    wq = qw(w)
+
+    def f(x, w):
+      return fp8.fp8_dot_general(
+        x,
+        dataclasses.replace(wq, source=w),
+        DN,
+        format=fmt_name,
+        hadamard=hb,
+        grad_rhs_fp8=rhs_fp8,
+      )
+
+    return _pullback(f, x, w)
+
+  return [(pullback(x, w), dy) for x, w, dy in sets]
 
 
 def _time_vs(b, case, label, kind, fn, arg_sets, base):
@@ -160,7 +196,8 @@ def _same(v, se, rv, rs, br):
 
 
 class Bench:
-  def __init__(self):
+  def __init__(self, name: str = NAME):
+    self.name = name  # the results file, benchmarks/results/<name>.json
     self.records = []
     self.failures = []
 
@@ -176,9 +213,9 @@ class Bench:
       return None
 
   def add(self, *args, **kwargs):
-    r = common.record(NAME, *args, **kwargs)
+    r = common.record(self.name, *args, **kwargs)
     self.records.append(r)
-    _save(self.records, OUT_DIR)
+    _save(self.records, OUT_DIR, self.name)
     print(
       f"{time.perf_counter() - T0:6.1f}s"
       f"  {r['case']:<28} {r['impl']:<34} {r['metric']:<12}"
@@ -403,28 +440,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     label = f"ours {fmt_name}" + (" dW fp8" if rhs_fp8 else " dW bf16")
 
     def bwd_case(fmt_name=fmt_name, hb=hb, rhs_fp8=rhs_fp8, label=label):
-      def f(x, wq):
-        return fp8.fp8_dot_general(
-          x, wq, DN, format=fmt_name, hadamard=hb, grad_rhs_fp8=rhs_fp8
-        )
-
-      # Weights quantized once per step, outside the timed function; the
-      # pullback is taken with respect to x and w, as a training step
-      # differentiates its parameters: its outputs are dx and dw, as
-      # cuBLAS's are (differentiating the quantized tensor itself would
-      # also return zeros for its e4m3 values, a 16 MB fill at 4096 x 4096).
-      qw = jax.jit(
-        lambda w: fp8.quantize(
-          w, axis=0, kind="weight", format=fmt_name, hadamard=hb
-        ).detach()
-      )
-
-      def pullback(x, w):
-        wq = qw(w)
-        g = lambda x, w: f(x, dataclasses.replace(wq, source=w))  # noqa: E731
-        return _pullback(g, x, w)
-
-      psets = [(pullback(x, w), dy) for x, w, dy in sets]
+      psets = _our_pullbacks(sets, fmt_name, hb, rhs_fp8)
       x0, w0, dy0 = sets[0]
       dx, dw = _apply(*psets[0])
       rdx, rdw = jax.jit(bf16_bwd)(
@@ -659,6 +675,67 @@ def bench_norm_dense(b: Bench, m, k, n):
     for name, (fn, fp8_w) in variants.items()
   }
   _record_interleaved(b, case, "bwd", runs, base)
+
+
+def parts(b: Bench, m, k, n, calls: int = 20, top: int = 6):
+  """Where the time goes (`--parts`): the device time per call of each
+  kernel of our forward and backwards (deepseek format, dW in BF16 and in
+  FP8) and of cuBLAS bf16's, from a profiler trace of `calls` queued calls
+  (`common.trace_summary`; `main` turns XLA's command buffers off for it).
+  On a GPU the kernels are the events of its stream threads, summed over
+  streams; on the CPU (`--tiny`) every thread
+  of the host's. Records `<program>: <kernel>` and `<program>: all kernels`
+  in ms per call, into `results/fp8_matmul_parts.json`."""
+  case = f"{m}x{k}x{n}"
+  sets = [_inputs(m, k, n, s) for s in (0, 1)]
+  qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+  wqs = [qw(w) for _, w, _ in sets]
+  programs = {
+    "cuBLAS bf16 fwd": (jax.jit(jnp.dot), [(x, w) for x, w, _ in sets]),
+    "ours fwd": (
+      jax.jit(lambda x, wq: fp8.fp8_dot_general(x, wq, DN)),
+      [(x, wq) for (x, _, _), wq in zip(sets, wqs, strict=True)],
+    ),
+    "cuBLAS bf16 bwd": (
+      _apply,
+      [(_pullback(jnp.dot, x, w), dy) for x, w, dy in sets],
+    ),
+    "ours bwd dW bf16": (_apply, _our_pullbacks(sets)),
+    "ours bwd dW fp8": (_apply, _our_pullbacks(sets, rhs_fp8=True)),
+  }
+  gpu = jax.default_backend() == "gpu"
+  device = "/device:GPU" if gpu else "/host:CPU"
+  for name, (fn, args) in programs.items():
+
+    def one(name=name, fn=fn, args=args):
+      jax.block_until_ready(fn(*args[0]))  # compiled and run once
+      with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+          out = None
+          for i in range(calls):
+            out = fn(*args[i % len(args)])
+          jax.block_until_ready(out)
+        threads = common.trace_summary(log_dir, calls, top=64, device=device)
+      for key, t in threads.items():
+        print(
+          f"  {name} | {key}: {t['other_ms'] + t['collective_ms']:.4f} ms;"
+          " " + ", ".join(f"{op[:48]} {ms:.4f}" for op, ms in t["top"][:top]),
+          flush=True,
+        )
+      kernels, total = {}, 0.0
+      for key, t in threads.items():
+        if gpu and "stream" not in key.lower():
+          continue  # XLA's op and module rows span the kernels again
+        total += t["other_ms"] + t["collective_ms"]
+        for op, ms in t["top"]:
+          kernels[op] = kernels.get(op, 0.0) + ms
+      if not kernels:
+        raise RuntimeError(f"{name}: no kernel in the trace ({list(threads)})")
+      b.add(case, f"{name}: all kernels", "ms/call", total)
+      for op, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        b.add(case, f"{name}: {op[:64]}", "ms/call", ms)
+
+    b.run(f"{case} parts {name}", one)
 
 
 def _record_interleaved(b: Bench, case, kind, runs, base):
@@ -943,13 +1020,13 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
       b.run(label, one)
 
 
-def _save(records, out_dir):
+def _save(records, out_dir, name=NAME):
   """Keep what was measured so far (a run cut short still reports it)."""
   if out_dir:
     import json
     import pathlib
 
-    path = pathlib.Path(out_dir) / f"{NAME}.partial.json"
+    path = pathlib.Path(out_dir) / f"{name}.partial.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
 
@@ -996,6 +1073,11 @@ def main(argv=None):
     help="only RMSNorm feeding the dense layer, per shape",
   )
   p.add_argument(
+    "--parts",
+    action="store_true",
+    help="only where the time goes: kernel times of each program, per shape",
+  )
+  p.add_argument(
     "--quant-sweep",
     action="store_true",
     help="only the quantize kernel sweep (--sweep-filter applies)",
@@ -1003,9 +1085,14 @@ def main(argv=None):
   args = p.parse_args(argv)
   global QUICK, NO_BWD, OUT_DIR
   QUICK, NO_BWD, OUT_DIR = args.quick, args.no_bwd, args.out
+  if args.parts:
+    # Kernels launched one by one, not replayed from CUDA graphs, so the
+    # trace has an event per kernel (set before the backend starts).
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer="
   print(jax.devices(), jax.__version__, flush=True)
-  b = Bench()
-  copy_bw = copy_bandwidth(b)
+  b = Bench(f"{NAME}_parts" if args.parts else NAME)
+  copy_bw = None if args.parts else copy_bandwidth(b)
   shapes = (
     SHAPES
     if args.shapes == "all"
@@ -1035,7 +1122,9 @@ def main(argv=None):
       bwd_shapes is not None and (m, k, n) not in bwd_shapes
     )
     nd = functools.partial(bench_norm_dense, b, m, k, n)
-    if args.quant_only:
+    if args.parts:
+      parts(b, m, k, n)
+    elif args.quant_only:
       bench_quantize(b, m, k, n, copy_bw)
     elif args.norm_dense:
       b.run(f"{m}x{k}x{n} norm+dense", nd)
@@ -1049,11 +1138,12 @@ def main(argv=None):
     and not args.quant_sweep
     and not args.qgemm_sweep
     and not args.norm_dense
+    and not args.parts
     and time.perf_counter() - t0 < args.max_seconds
   ):
     sweep(b, args.sweep_filter)
   # A --tiny dry run never touches benchmarks/results.
-  common.write_results(NAME, b.records, out_dir=args.out, dry_run=args.tiny)
+  common.write_results(b.name, b.records, out_dir=args.out, dry_run=args.tiny)
   if b.failures:
     print(f"{len(b.failures)} failures:")
     for f in b.failures:
