@@ -121,6 +121,22 @@ three warpgroups at the second), against this kernel's 231.2 at the
 first, quantize pass + GEMM's 226.0 / 172.0 / 491.8 and cuBLAS bf16's
 194.3 / 195.6 / 713.6. It ran at 524-569 TFLOP/s at all three shapes,
 so (an inference) the quantizing, not the shape, set its pace.
+
+Why the quantizing kernel stays short of the 1.3x forward goal at the
+narrow shapes (arithmetic on the figures above, not a measurement). The
+GEMM's speed comes from its third compute warpgroup (1032 against 895
+TFLOP/s for two at 65536 x 2048 x 512). Each compute warpgroup holds a 64
+x 128 f32 accumulator and a fresh block product, 160 registers a thread;
+three take 480 of the 512 a thread slot has (65,536 per SM over 128
+threads), which leaves 32 for everything else, less than a quantizer
+needs to hold its 64 x 128 bf16 tile (32 registers of packed bf16 before
+any maxima or addresses; the quantizers here run on 96). So this kernel
+has two compute warpgroups, and even with quantization free it could not
+beat the two-warpgroup GEMM: 895 TFLOP/s, 0.154 ms at 65536 x 2048 x 512,
+about 1.22x cuBLAS bf16. The fresh block product is what DeepSeek's recipe
+calls promotion: accumulating the k-blocks in the wgmma's own accumulator,
+rescaled between blocks, would free its registers but leave the sum at the
+tensor cores' reduced FP8 accumulation precision.
 """
 
 import dataclasses
