@@ -173,6 +173,16 @@ def _clock_time(fn, arg_sets, calls, repeats) -> tuple[float, float]:
   return float(np.median(times)), float(np.median(hosts))
 
 
+def trace_calls(fn, arg_sets, calls: int, log_dir) -> None:
+  """`calls` queued calls of `fn`, inputs rotated over `arg_sets`, under
+  `jax.profiler.trace(log_dir)` (a perfetto trace), finished inside it."""
+  with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+    out = None
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+
+
 def trace_busy_time(fn, arg_sets, calls: int, device="/device:GPU") -> float:
   """Seconds per call during which the device runs some op, from a
   profiler trace of `calls` queued calls: the union of the op intervals
@@ -180,11 +190,7 @@ def trace_busy_time(fn, arg_sets, calls: int, device="/device:GPU") -> float:
   gaps between ops are left out; for a host-bound program they are the
   host's."""
   with tempfile.TemporaryDirectory() as log_dir:
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-      out = None
-      for i in range(calls):
-        out = fn(*arg_sets[i % len(arg_sets)])
-      jax.block_until_ready(out)
+    trace_calls(fn, arg_sets, calls, log_dir)
     events = _trace_events(log_dir) or []  # no trace written: no ops
   names = _process_names(events)
   spans = [

@@ -710,11 +710,7 @@ def parts(b: Bench, m, k, n, calls: int = 20, top: int = 6):
     def one(name=name, fn=fn, args=args):
       jax.block_until_ready(fn(*args[0]))  # compiled and run once
       with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-          out = None
-          for i in range(calls):
-            out = fn(*args[i % len(args)])
-          jax.block_until_ready(out)
+        common.trace_calls(fn, args, calls, log_dir)
         threads = common.trace_summary(log_dir, calls, top=64, device=device)
       for key, t in threads.items():
         print(
