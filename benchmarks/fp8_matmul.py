@@ -51,7 +51,9 @@ with one or two copies per call.
 import argparse
 import dataclasses
 import functools
+import json
 import os
+import pathlib
 import sys
 import tempfile
 import time
@@ -92,6 +94,16 @@ def _pullback(fn, *primals):
 _apply = jax.jit(lambda pull, dy: pull(dy))
 
 
+def _weight_quantizer(fmt_name="deepseek", hb=None):
+  """The weight's quantization, jitted: once per step, outside the timed
+  functions (as in training)."""
+  return jax.jit(
+    lambda w: fp8.quantize(
+      w, axis=0, kind="weight", format=fmt_name, hadamard=hb
+    ).detach()
+  )
+
+
 def _our_pullbacks(sets, fmt_name="deepseek", hb=None, rhs_fp8=False):
   """`(pullback, dy)` per input set: the backward of our FP8 dense layer as
   `_apply` runs it. Weights are quantized once per step, outside the timed
@@ -99,11 +111,7 @@ def _our_pullbacks(sets, fmt_name="deepseek", hb=None, rhs_fp8=False):
   step differentiates its parameters: its outputs are dx and dw, as
   cuBLAS's are (differentiating the quantized tensor itself would also
   return zeros for its e4m3 values, a 16 MB fill at 4096 x 4096)."""
-  qw = jax.jit(
-    lambda w: fp8.quantize(
-      w, axis=0, kind="weight", format=fmt_name, hadamard=hb
-    ).detach()
-  )
+  qw = _weight_quantizer(fmt_name, hb)
 
   def pullback(x, w):
     wq = qw(w)
@@ -212,10 +220,18 @@ class Bench:
       self.failures.append(msg)
       return None
 
+  def save(self):
+    """Keep what was measured so far under `--out` (a run cut short still
+    reports it)."""
+    if OUT_DIR:
+      path = pathlib.Path(OUT_DIR) / f"{self.name}.partial.json"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(json.dumps(self.records, indent=1) + "\n")
+
   def add(self, *args, **kwargs):
     r = common.record(self.name, *args, **kwargs)
     self.records.append(r)
-    _save(self.records, OUT_DIR, self.name)
+    self.save()
     print(
       f"{time.perf_counter() - T0:6.1f}s"
       f"  {r['case']:<28} {r['impl']:<34} {r['metric']:<12}"
@@ -354,11 +370,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     label = f"ours {fmt_name}" + (f" H{hb}" if hb else "")
 
     def fwd_case(fmt_name=fmt_name, hb=hb, label=label):
-      qw = jax.jit(
-        lambda w: fp8.quantize(
-          w, axis=0, kind="weight", format=fmt_name, hadamard=hb
-        ).detach()
-      )
+      qw = _weight_quantizer(fmt_name, hb)
       wqs = [qw(w) for _, w, _ in sets]
       f = jax.jit(
         lambda x, wq: fp8.fp8_dot_general(
@@ -415,7 +427,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
     """x quantized by its own pass, then the GEMM: the forward where the
     GEMM does not quantize x itself (n > op.QUANTIZE_IN_GEMM_MAX_N, or
     differentiated with an FP8 weight gradient, which keeps x's values)."""
-    qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+    qw = _weight_quantizer()
     label = "ours deepseek, quantize pass + GEMM"
     base(
       label,
@@ -623,7 +635,7 @@ def bench_norm_dense(b: Bench, m, k, n):
     ),
     "ours: norm, bf16 dot (cuBLAS)": (ours_bf16, False),
   }
-  qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+  qw = _weight_quantizer()
   wqs = [qw(w) for _, _, _, w, _, _ in sets]
 
   def fwd_args(fp8_w):
@@ -683,12 +695,12 @@ def parts(b: Bench, m, k, n, calls: int = 20, top: int = 6):
   FP8) and of cuBLAS bf16's, from a profiler trace of `calls` queued calls
   (`common.trace_summary`; `main` turns XLA's command buffers off for it).
   On a GPU the kernels are the events of its stream threads, summed over
-  streams; on the CPU (`--tiny`) every thread
-  of the host's. Records `<program>: <kernel>` and `<program>: all kernels`
-  in ms per call, into `results/fp8_matmul_parts.json`."""
+  streams; on the CPU (`--tiny`, a dry run) every thread of the host's.
+  Records `<program>: <kernel>` and `<program>: all kernels` in ms per
+  call, into `results/fp8_matmul_parts.json`."""
   case = f"{m}x{k}x{n}"
   sets = [_inputs(m, k, n, s) for s in (0, 1)]
-  qw = jax.jit(lambda w: fp8.quantize(w, axis=0, kind="weight").detach())
+  qw = _weight_quantizer()
   wqs = [qw(w) for _, w, _ in sets]
   programs = {
     "cuBLAS bf16 fwd": (jax.jit(jnp.dot), [(x, w) for x, w, _ in sets]),
@@ -1016,17 +1028,6 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
       b.run(label, one)
 
 
-def _save(records, out_dir, name=NAME):
-  """Keep what was measured so far (a run cut short still reports it)."""
-  if out_dir:
-    import json
-    import pathlib
-
-    path = pathlib.Path(out_dir) / f"{name}.partial.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(records, indent=1) + "\n")
-
-
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default=None)
@@ -1127,7 +1128,7 @@ def main(argv=None):
     else:
       bench_shape(b, m, k, n, copy_bw)
       b.run(f"{m}x{k}x{n} norm+dense", nd)
-    _save(b.records, args.out)
+    b.save()
   if (
     not args.no_sweep
     and not args.sweep_only

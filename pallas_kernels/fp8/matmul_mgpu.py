@@ -128,9 +128,10 @@ GEMM's speed comes from its third compute warpgroup (1032 against 895
 TFLOP/s for two at 65536 x 2048 x 512). Each compute warpgroup holds a 64
 x 128 f32 accumulator and a fresh block product, 160 registers a thread;
 three take 480 of the 512 a thread slot has (65,536 per SM over 128
-threads), which leaves 32 for everything else, less than a quantizer
-needs to hold its 64 x 128 bf16 tile (32 registers of packed bf16 before
-any maxima or addresses; the quantizers here run on 96). So this kernel
+threads), and the memory warpgroup 24 of the rest, which leaves 8 for a
+quantizer that needs 32 just to hold its 64 x 128 bf16 tile as packed
+bf16, before any maxima or addresses (the quantizers here run on 96).
+Even without the memory warpgroup, 32 would not do. So this kernel
 has two compute warpgroups, and even with quantization free it could not
 beat the two-warpgroup GEMM: 895 TFLOP/s, 0.154 ms at 65536 x 2048 x 512,
 about 1.22x cuBLAS bf16. The fresh block product is what DeepSeek's recipe
