@@ -724,17 +724,17 @@ def parts(b: Bench, m, k, n, calls: int = 20, top: int = 6):
       with tempfile.TemporaryDirectory() as log_dir:
         common.trace_calls(fn, args, calls, log_dir)
         threads = common.trace_summary(log_dir, calls, top=64, device=device)
-      for key, t in threads.items():
-        print(
-          f"  {name} | {key}: {t['other_ms'] + t['collective_ms']:.4f} ms;"
-          " " + ", ".join(f"{op[:48]} {ms:.4f}" for op, ms in t["top"][:top]),
-          flush=True,
-        )
       kernels, total = {}, 0.0
       for key, t in threads.items():
+        busy = t["other_ms"] + t["collective_ms"]
+        print(
+          f"  {name} | {key}: {busy:.4f} ms; "
+          + ", ".join(f"{op[:48]} {ms:.4f}" for op, ms in t["top"][:top]),
+          flush=True,
+        )
         if gpu and "stream" not in key.lower():
           continue  # XLA's op and module rows span the kernels again
-        total += t["other_ms"] + t["collective_ms"]
+        total += busy
         for op, ms in t["top"]:
           kernels[op] = kernels.get(op, 0.0) + ms
       if not kernels:
