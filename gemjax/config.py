@@ -266,3 +266,54 @@ def _parse(raw: str, hint):
   if hint in (int, float, str):
     return hint(raw)
   raise TypeError(f"cannot parse {hint}")
+
+
+def to_dict(cfg: Config) -> dict:
+  """A JSON-serializable dict of `cfg` (tuples become lists)."""
+  return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+  """The `Config` that `to_dict` wrote (a checkpoint's or a run log's).
+
+  Keys must be fields: a dict from another version of the code (a field
+  renamed or removed) fails naming the key, instead of being read as
+  something else. Fields missing from `d` take their defaults.
+  """
+  return _from_dict(Config, d, "")
+
+
+def _from_dict(cls, d: dict, prefix: str):
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ValueError(
+      f"config dict has unknown key {prefix + unknown[0]!r}; valid keys: "
+      + ", ".join(f"{prefix}{n}" for n in sorted(names))
+    )
+  kw = {}
+  for name, value in d.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      kw[name] = _from_dict(hint, value, f"{prefix}{name}.")
+    else:
+      kw[name] = _as_type(value, hint)
+  return cls(**kw)
+
+
+def _as_type(value, hint):
+  """JSON value -> `hint` (lists back to tuples, nested ones too)."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    if value is None:
+      return None
+    hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    origin = typing.get_origin(hint)
+  if origin is tuple and isinstance(value, list):
+    args = typing.get_args(hint)
+    elem = args[0] if args else typing.Any
+    if len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis):
+      return tuple(_as_type(v, elem) for v in value)
+    return tuple(_as_type(v, a) for v, a in zip(value, args, strict=True))
+  return value

@@ -70,3 +70,20 @@ def test_related_fields_are_checked_after_all_overrides():
     assert (cfg.data.num_items, cfg.data.num_categories) == (50, 10)
   with pytest.raises(ValueError, match="num_categories"):
     config.load("smoke", ["data.num_categories=6000"])
+
+
+def test_dict_round_trip_of_every_named_config():
+  import json
+
+  for name in config.available_configs():
+    cfg = config.load(name, ["model.layer_order=0,1,1"])
+    back = config.from_dict(json.loads(json.dumps(config.to_dict(cfg))))
+    assert back == cfg
+    assert isinstance(back.data.quota[0], tuple)
+
+
+def test_from_dict_names_an_unknown_key():
+  d = config.to_dict(config.load("smoke"))
+  d["model"]["dmodel"] = 3
+  with pytest.raises(ValueError, match="unknown key 'model.dmodel'"):
+    config.from_dict(d)
