@@ -133,6 +133,9 @@ class TrainConfig:
   checkpoint_every: int = 100
   keep_checkpoints: int = 2
   eval_batches: int = 0  # 0 = the whole held-out set
+  # Real logs: score the in-project baselines (`gemjax.baselines`) on the
+  # same held-out examples and print them beside the model.
+  baselines: bool = True
   run_dir: str = "runs/{config}"
   progress: bool = True  # live progress line on stderr
 

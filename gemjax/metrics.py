@@ -270,6 +270,50 @@ def calibration(labels, probs) -> float:
   return float(q.sum() / positives)
 
 
+def hit_rate_ndcg(labels, scores, groups, k: int) -> tuple[float, float, int]:
+  """(HR@k, NDCG@k, groups counted) of ranking each group's rows by score.
+
+  The next-item protocol (leave-one-out): each group (a request) holds one
+  positive among sampled negatives. Its rank is the number of its group's
+  negatives scored above it plus half of those tied with it (so a constant
+  scorer is not credited with a lucky tie order); HR@k counts rank < k,
+  NDCG@k adds 1 / log2(rank + 2) there. A group with several positives
+  counts each against the negatives alone (as if each were the only one)
+  and averages; groups without a positive or a negative are skipped.
+  """
+  y, s = _binary_inputs(labels, scores, "scores", _check_scores)
+  g = _as_array("groups", groups, 1)
+  _check_same_rows(labels=y, groups=g)
+  order = np.lexsort((-s, g))
+  y, s, g = y[order], s[order], g[order]
+  new = np.r_[True, g[1:] != g[:-1]] if g.size else np.zeros(0, bool)
+  gid = np.cumsum(new) - 1
+  neg = 1.0 - y
+  # Negatives strictly above each row within its group: sorted by score
+  # descending, count negatives before the row's tie run.
+  n_groups = int(gid[-1]) + 1 if gid.size else 0
+  tie = new | np.r_[True, s[1:] != s[:-1]] if g.size else new
+  run = np.cumsum(tie) - 1
+  neg_run = np.bincount(run, neg, minlength=run[-1] + 1 if run.size else 0)
+  before = np.cumsum(neg_run) - neg_run  # negatives in earlier runs
+  start_run = run[np.flatnonzero(new)]
+  before_group = np.cumsum(neg_run)[start_run] - neg_run[start_run]
+  above = before[run] - before_group[gid]
+  rank = above + 0.5 * neg_run[run]
+  pos_g = np.bincount(gid, y, minlength=n_groups)
+  neg_g = np.bincount(gid, neg, minlength=n_groups)
+  ok = (pos_g > 0) & (neg_g > 0)
+  hit = (rank < k) & (y > 0)
+  gain = np.where(hit, 1.0 / np.log2(rank + 2.0), 0.0)
+  hr_g = np.bincount(gid, hit.astype(np.float64), minlength=n_groups)
+  nd_g = np.bincount(gid, gain, minlength=n_groups)
+  if not ok.any():
+    return float("nan"), float("nan"), 0
+  hr = float(np.mean(hr_g[ok] / pos_g[ok]))
+  nd = float(np.mean(nd_g[ok] / pos_g[ok]))
+  return hr, nd, int(ok.sum())
+
+
 # --------------------------------------------------------------- multi-task
 
 
@@ -327,21 +371,38 @@ def task_metrics(
   return out
 
 
-def format_table(metrics: Mapping[str, Mapping[str, float | int]]) -> str:
-  """Fixed-width table, one row per task: AUC, UAUC, NE, calibration, count."""
-  cols = (
+def format_table(metrics: Mapping) -> str:
+  """Fixed-width table, one row per task: AUC, UAUC, NE, calibration, count
+  (and HR@k / NDCG@k where present). With a `baselines` entry ({name:
+  {task: metrics}}, see `gemjax.baselines`), each task's row is followed
+  by one row per baseline scored on the same examples."""
+  tasks = [t for t in metrics if t != "baselines"]
+  base = metrics.get("baselines", {})
+  cols = [
     ("AUC", "auc"),
     ("UAUC", "uauc"),
     ("NE", "ne"),
     ("calibration", "calibration"),
-  )
-  name_w = max([4] + [len(t) for t in metrics])
+  ]
+  for t in tasks:
+    cols += [
+      (k.upper(), k)
+      for k in metrics[t]
+      if k.startswith(("hr@", "ndcg@")) and (k.upper(), k) not in cols
+    ]
+  rows = []
+  for t in tasks:
+    rows.append((t, metrics[t]))
+    rows += [(f"  {name}", m[t]) for name, m in base.items() if t in m]
+  name_w = max([4] + [len(n) for n, _ in rows])
   head = f"{'task':<{name_w}}" + "".join(f"  {c:>11}" for c, _ in cols)
   head += f"  {'count':>12}"
   lines = [head, "-" * len(head)]
-  for task, m in metrics.items():
-    row = f"{task:<{name_w}}"
-    row += "".join(f"  {float(m[key]):>11.4f}" for _, key in cols)
+  for name, m in rows:
+    row = f"{name:<{name_w}}"
+    row += "".join(
+      f"  {float(m.get(key, float('nan'))):>11.4f}" for _, key in cols
+    )
     row += f"  {int(m['count']):>12,d}"
     lines.append(row)
   return "\n".join(lines)
@@ -388,13 +449,16 @@ class MetricAccumulator:
     self._labels: list[np.ndarray] = []
     self._probs: list[np.ndarray] = []
     self._users: list[np.ndarray] = []
+    self._groups: list[np.ndarray] = []
     self.batches = 0
 
   @property
   def count(self) -> int:
     return sum(a.shape[0] for a in self._labels)
 
-  def add(self, labels, probs, user_ids, mask=None) -> None:
+  def add(self, labels, probs, user_ids, mask=None, groups=None) -> None:
+    """`groups` [..., c]: the request of each row, for HR@k / NDCG@k
+    (default: the user)."""
     k = len(self.tasks)
     y = np.asarray(labels)
     q = np.asarray(probs)
@@ -432,16 +496,28 @@ class MetricAccumulator:
     self._labels.append(y[keep])
     self._probs.append(q[keep])
     self._users.append(user[keep])
+    g = user if groups is None else np.asarray(groups).reshape(-1)
+    self._groups.append(g[keep])
     self.batches += 1
 
-  def result(self) -> Metrics:
+  def result(self, rank_at: Sequence[int] = ()) -> Metrics:
+    """`task_metrics` of every row added, plus `hr@k` and `ndcg@k` for
+    each k of `rank_at` (rows grouped by `groups`)."""
     k = len(self.tasks)
     if not self._labels:
       empty = np.zeros((0, k))
       return task_metrics(empty, empty, np.zeros(0, np.int64), self.tasks)
-    return task_metrics(
-      np.concatenate(self._labels),
-      np.concatenate(self._probs),
-      np.concatenate(self._users),
-      self.tasks,
-    )
+    y = np.concatenate(self._labels)
+    q = np.concatenate(self._probs)
+    out = task_metrics(y, q, np.concatenate(self._users), self.tasks)
+    add_ranking(out, y, q, np.concatenate(self._groups), self.tasks, rank_at)
+    return out
+
+
+def add_ranking(out: Metrics, labels, scores, groups, tasks, rank_at) -> None:
+  """Adds `hr@k` / `ndcg@k` per task of `out` for each k of `rank_at`."""
+  for j, task in enumerate(tasks):
+    for k in rank_at:
+      hr, nd, _ = hit_rate_ndcg(labels[:, j], scores[:, j], groups, k)
+      out[task][f"hr@{k}"] = hr
+      out[task][f"ndcg@{k}"] = nd

@@ -95,16 +95,22 @@ class DataConfig:
     ("buy", "order"),
   )
   read_chunk_bytes: int = 8 << 20
-  # Requests from a log: a user's events are cut into sessions at gaps
-  # longer than `session_gap_s`; every session after the first is a request
-  # at its first event's time whose candidates are the session's items (at
-  # most max_cands - neg_per_request per request; longer sessions make more
-  # requests), labelled by what the user did, plus `neg_per_request` items
-  # sampled by popularity, labelled (0, 0). Users whose hash falls in
-  # `eval_user_frac` form the held-out set.
+  # Requests from a log (gemjax.data.protocol): a user's events are cut
+  # into requests at gaps longer than `session_gap_s` and after every
+  # `max_cands - neg_per_request` distinct items; each request also gets
+  # `neg_per_request` sampled items the user never touched (`negatives`:
+  # "popularity" or "uniform"). `protocol` picks the held-out set:
+  # "temporal" (requests at or after `split_time`, or after the time that
+  # leaves `eval_frac` of the events, for the same users), "leave_one_out"
+  # (each user's last event among `loo_negatives` sampled items; HR@K and
+  # NDCG@K) or "user" (users hashed into `eval_frac`: cold start).
+  protocol: str = "temporal"
+  split_time: int = 0
+  eval_frac: float = 0.1
   session_gap_s: int = 1800
   neg_per_request: int = 2
-  eval_user_frac: float = 0.1
+  negatives: str = "popularity"
+  loo_negatives: int = 100
 
   # Context features O3: log-bucketed ids (see gemjax.data.features).
   # Bucket k >= 1 holds x in [base^(k-1) - 1, base^k - 1); 0 means missing.
@@ -155,7 +161,11 @@ class DataConfig:
       "rating_actions / taobao_actions name unknown actions",
     )
     _check(0 <= self.neg_per_request < self.max_cands, "neg_per_request")
-    _check(0 <= self.eval_user_frac < 1, "eval_user_frac")
+    _check(0 < self.eval_frac < 1, "eval_frac")
+    _check(self.protocol in ("temporal", "leave_one_out", "user"), "protocol")
+    _check(self.negatives in ("popularity", "uniform"), "negatives")
+    _check(self.loo_negatives >= 1, "loo_negatives")
+    _check(self.split_time >= 0, "split_time")
     _check(self.batching in ("bbs", "random"), "batching")
     _check(self.bbs_weight in ("tokens", "attn", "cost"), "bbs_weight")
     names = [a for a, _ in self.quota]
@@ -166,15 +176,20 @@ class DataConfig:
     _check(all(c >= 0 for _, c in self.quota), "quota caps must be >= 0")
     _check(set(self.no_backfill) <= set(ACTIONS), "no_backfill")
     _check(self.max_seq_len >= 1, "max_seq_len")
+    # 0 = derived from the log (`loader.resolve_capacities`), real logs only.
+    auto = self.source != "synthetic"
     _check(
-      self.token_capacity >= self.max_seq_len,
+      self.token_capacity >= self.max_seq_len
+      or (auto and self.token_capacity == 0),
       f"token_capacity {self.token_capacity} < max_seq_len "
       f"{self.max_seq_len}: a full-length history could never fit",
     )
     _check(1 <= self.min_cands <= self.max_cands, "min_cands <= max_cands")
     _check(
-      self.cand_capacity >= self.max_cands,
-      f"cand_capacity {self.cand_capacity} < max_cands {self.max_cands}",
+      self.cand_capacity >= self.max_request_cands
+      or (auto and self.cand_capacity == 0),
+      f"cand_capacity {self.cand_capacity} < {self.max_request_cands}, the "
+      "most candidates of one request",
     )
     _check(
       self.requests_per_shard % self.bbs_minibatch == 0,
@@ -189,6 +204,13 @@ class DataConfig:
     _check(0 <= self.zero_len_frac < 1, "zero_len_frac")
     _check(self.eval_requests >= 0, "eval_requests")
     _check(self.workers >= 0 and self.prefetch >= 0, "workers / prefetch")
+
+  @property
+  def max_request_cands(self) -> int:
+    """The most candidates one request can have (train or eval)."""
+    if self.source != "synthetic" and self.protocol == "leave_one_out":
+      return max(self.max_cands, self.loo_negatives + 1)
+    return self.max_cands
 
   def vocab_sizes(self) -> dict[str, int]:
     """Rows of every int feature table (seq, cand and `user_id`)."""

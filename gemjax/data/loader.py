@@ -35,6 +35,7 @@ keeps its own shards.
 
 import concurrent.futures
 import copy
+import dataclasses
 import multiprocessing
 import queue
 import threading
@@ -42,14 +43,44 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from gemjax.data import bbs, build, events, synthetic
+from gemjax.data import bbs, build, events, protocol, synthetic
 from gemjax.data.config import DataConfig
 from gemjax.data.jagged import JaggedBatch, stack
 
 _STATE_VERSION = 1
 
 
-def _local_shards(num_shards, process_index, process_count) -> range:
+def resolve_capacities(
+  cfg: DataConfig, num_shards: int, shards: range, headroom: float = 1.15
+) -> DataConfig:
+  """`cfg` with `token_capacity` / `cand_capacity` of 0 derived from the
+  log: `requests_per_shard` requests of the mean built history length
+  (candidates) plus `headroom`, in multiples of 128 (16), and never below
+  one full-length history (the largest request's candidates). Nothing to do
+  for synthetic traffic or set capacities."""
+  if cfg.source == "synthetic" or (cfg.token_capacity and cfg.cand_capacity):
+    return cfg
+  src = make_source(cfg, num_shards, shards)
+  req = src.req
+  take = np.random.default_rng([cfg.seed, 5]).permutation(len(req))[:4096]
+  sample = req.take(np.sort(take))
+  off, _, _ = build.build_sequences(src.log, sample, cfg, None)
+  b = cfg.requests_per_shard
+  mean_len = float(np.diff(off).mean())
+  mean_c = float(np.diff(sample.cand_offsets).mean())
+  up = lambda x, m: int(-(-x // m) * m)
+  tokens = cfg.token_capacity or max(
+    cfg.max_seq_len, up(b * mean_len * headroom, 128)
+  )
+  cands = cfg.cand_capacity or max(
+    cfg.max_request_cands, up(b * mean_c * headroom, 16)
+  )
+  src.counters["derived_token_capacity"] = tokens
+  src.counters["derived_cand_capacity"] = cands
+  return dataclasses.replace(cfg, token_capacity=tokens, cand_capacity=cands)
+
+
+def local_shards(num_shards, process_index, process_count) -> range:
   if num_shards % process_count:
     raise ValueError(
       f"num_shards {num_shards} is not a multiple of process_count "
@@ -83,13 +114,16 @@ class LogSource:
 
   Users are spread over the `num_shards` shards by a hash of the user id;
   this process keeps only its shards' users while reading (memory holds its
-  part only). Requests come from sessions (`events.requests_from_log`);
-  users whose hash falls in `cfg.eval_user_frac` are held out. The training
-  stream of a shard is an endless sequence of epochs, each a permutation of
-  the shard's requests seeded by (seed, shard, epoch); block k is the k-th
-  run of `size` requests of that stream. The eval set of a process is its
-  own users' held-out requests (so with several processes, their numbers of
-  eval steps can differ).
+  part only). Train and held-out requests come from the offline protocol
+  of `cfg.protocol` (`gemjax.data.protocol`). The training stream of a
+  shard is an endless sequence of epochs, each a permutation of the
+  shard's requests seeded by (seed, shard, epoch); block k is the k-th run
+  of `size` requests of that stream. The eval set of a process is its own
+  users' held-out requests (so with several processes, their numbers of
+  eval steps can differ). A temporal split needs one cut for all
+  processes: with several, `split_time` must be set, since each process
+  sees only its users' events; negatives are sampled from the process's
+  own part of the log.
   """
 
   READERS = {
@@ -103,21 +137,27 @@ class LogSource:
     self.counters: dict[str, int] = {}
     mine = np.zeros(num_shards, bool)
     mine[list(shards)] = True
+    if (
+      len(shards) < num_shards
+      and cfg.protocol == "temporal"
+      and not cfg.split_time
+    ):
+      raise ValueError(
+        "data.split_time must be set when several processes read a log "
+        "under the temporal protocol (each process sees only its users)"
+      )
     keep = lambda u: mine[events.hash_rows(u, num_shards)]
     self.log = self.READERS[cfg.source](cfg.path, cfg, self.counters, keep)
-    req = events.requests_from_log(self.log, cfg, cfg.path)
-    self.req = events.check_requests(self.log, req, cfg, self.counters)
-    held = events.hash_rows(self.req.user ^ 0x5EED, 1000) < round(
-      1000 * cfg.eval_user_frac
+    self.req, self.held_req = protocol.split_requests(
+      self.log, cfg, cfg.path, self.counters
     )
     shard_of = events.hash_rows(self.req.user, num_shards)
     self.train = {}
     for s in shards:
-      idx = np.flatnonzero((shard_of == s) & ~held)
+      idx = np.flatnonzero(shard_of == s)
       if not idx.size:
         raise ValueError(f"{cfg.path}: shard {s} has no training requests")
       self.train[s] = idx
-    self.held = np.flatnonzero(held)
 
   def _built(self, req, counters) -> JaggedBatch:
     offsets, cols, seg = build.build_sequences(
@@ -140,16 +180,40 @@ class LogSource:
 
   def eval_pools(self) -> tuple[list[JaggedBatch], bool]:
     blk = synthetic.EVAL_BLOCK
+    n = len(self.held_req)
     return [
-      self._built(self.req.take(self.held[i : i + blk]), None)
-      for i in range(0, self.held.size, blk)
+      self._built(self.held_req.take(np.arange(i, min(i + blk, n))), None)
+      for i in range(0, n, blk)
     ], False
+
+  def train_pools(self, size: int = 1024) -> list[JaggedBatch]:
+    """Every training request of the local shards once, built in pools of
+    `size` (what the baselines fit on)."""
+    idx = np.sort(np.concatenate(list(self.train.values())))
+    return [
+      self._built(self.req.take(idx[i : i + size]), None)
+      for i in range(0, idx.size, size)
+    ]
+
+
+# Log sources read a file and build the protocol's requests: the train and
+# eval loaders of a run (and its baselines) share one per process. Buffer
+# capacities do not change what a source holds, so they are not in its key.
+_SOURCES: dict = {}
 
 
 def make_source(cfg: DataConfig, num_shards: int, shards: range):
   if cfg.source == "synthetic":
     return SyntheticSource(cfg)
-  return LogSource(cfg, num_shards, shards)
+  key = (
+    dataclasses.replace(cfg, token_capacity=0, cand_capacity=0),
+    num_shards,
+    shards,
+  )
+  if key not in _SOURCES:
+    _SOURCES.clear()  # one log in memory at a time
+    _SOURCES[key] = LogSource(cfg, num_shards, shards)
+  return _SOURCES[key]
 
 
 class _Blocks:
@@ -239,7 +303,7 @@ class Loader:
     self.cfg = cfg
     self.num_shards = num_shards
     self.split = split
-    self.shards = _local_shards(num_shards, process_index, process_count)
+    self.shards = local_shards(num_shards, process_index, process_count)
     self.source = make_source(cfg, num_shards, self.shards)
     self._blocks = _Blocks(cfg, self.source, self.shards)
     self._eval = None
@@ -383,7 +447,8 @@ class Loader:
         raise RuntimeError(
           f"shard {s}: {len(rest)} requests waiting; token_capacity "
           f"{cfg.token_capacity} / cand_capacity {cfg.cand_capacity} are "
-          f"too small for {cfg.requests_per_shard} requests per shard"
+          f"too small for {cfg.requests_per_shard} requests per shard "
+          "(set them to 0 to derive them from a log)"
         )
     pos["step"] += 1
     pos["step_in_block"] += 1

@@ -68,6 +68,21 @@ class Trainer:
         f"{mesh.size} devices"
       )
     run_dir = pathlib.Path(run_dir or cfg.train.run_dir.format(config=cfg.name))
+    data = data_loader.resolve_capacities(
+      cfg.data,
+      num_shards,
+      data_loader.local_shards(
+        num_shards, jax.process_index(), jax.process_count()
+      ),
+    )
+    if data != cfg.data:
+      cfg = dataclasses.replace(cfg, data=data)
+      if jax.process_index() == 0:
+        print(
+          f"data: token_capacity={data.token_capacity} cand_capacity="
+          f"{data.cand_capacity} (derived from {data.path})",
+          file=sys.stderr,
+        )
     # Shapes only: placing the state needs no initialized parameters.
     model_def, params = build(cfg, cfg.train.seed, abstract=True)
     tx = make_optimizer(cfg.train)
@@ -157,6 +172,7 @@ class Trainer:
 
   def evaluate(self, params, max_batches: int = 0) -> dict:
     acc = metrics.MetricAccumulator(self.cfg.model.tasks)
+    seen = 0  # requests so far: each request is a group for HR@k
     batches = data_loader.eval_batches(
       self.cfg.data,
       num_shards=self.num_shards,
@@ -176,8 +192,37 @@ class Trainer:
       users, mask = metrics.candidate_rows(
         full.user_id, full.cand_offsets, full.cand_capacity
       )
-      acc.add(np.asarray(full.labels), np.asarray(probs), users, mask)
-    return acc.result()
+      b = full.offsets.shape[-1] - 1
+      req_ids = seen + np.arange(full.offsets.shape[0] * b).reshape(-1, b)
+      seen += req_ids.size
+      groups, _ = metrics.candidate_rows(
+        req_ids, full.cand_offsets, full.cand_capacity
+      )
+      acc.add(np.asarray(full.labels), np.asarray(probs), users, mask, groups)
+    return acc.result(rank_at(self.cfg.data))
+
+  def baselines(self) -> dict:
+    """{baseline: {task: metrics}} on this run's held-out examples (real
+    logs, one process): see `gemjax.baselines`."""
+    from gemjax import baselines
+
+    source = data_loader.make_source(
+      self.cfg.data, self.num_shards, range(self.num_shards)
+    )
+    test, scores = baselines.score_all(
+      source.train_pools(), source.eval_pools()[0]
+    )
+    return baselines.baseline_metrics(
+      test, scores, self.cfg.model.tasks, rank_at(self.cfg.data)
+    )
+
+
+def rank_at(data_cfg) -> tuple[int, ...]:
+  """Cut-offs of HR@k / NDCG@k: the next-item protocol reports k = 10."""
+  is_loo = data_cfg.source != "synthetic" and (
+    data_cfg.protocol == "leave_one_out"
+  )
+  return (10,) if is_loo else ()
 
 
 def _host_state(params, tx, seed: int) -> dict:
@@ -235,6 +280,7 @@ def train(
   stopped early).
   """
   tr = Trainer.create(cfg, run_dir, devices)
+  cfg = tr.cfg  # with capacities derived from the data, if any
   tr.run_dir.mkdir(parents=True, exist_ok=True)
   main = jax.process_index() == 0
   with (
@@ -292,6 +338,13 @@ def train(
     if step < total:
       return {}
     result = tr.evaluate(state["params"], cfg.train.eval_batches)
+    if (
+      cfg.train.baselines
+      and cfg.data.source != "synthetic"
+      and jax.process_count() == 1
+      and not cfg.train.eval_batches
+    ):
+      result["baselines"] = tr.baselines()
     log.write(event="eval", step=step, metrics=result)
   return result
 

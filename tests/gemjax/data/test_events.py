@@ -1,4 +1,4 @@
-"""Readers of real formats, bad input, requests from logs, log-backed loader.
+"""Readers of real formats, bad input, log-backed loader.
 
 Every input file is written here under tmp_path; nothing is downloaded.
 """
@@ -227,48 +227,6 @@ def test_requests_user_without_events_and_unlabelled_candidate(tmp_path):
   assert not np.isnan(ok.labels).any()
 
 
-def test_requests_from_log_sessions_labels_and_leakage():
-  cfg = dataclasses.replace(
-    CFG, session_gap_s=100, neg_per_request=1, max_cands=3, min_cands=1
-  )
-  a = ACTION_ID
-  # user 1: session A (t 0, 10), session B (t 500..530: 3 distinct items ->
-  # two requests of at most 2 positives), session C (t 2000).
-  log = events.EventLog(
-    user=np.array([1, 1, 1, 1, 1, 1, 1], np.int64),
-    ts=np.array([0, 10, 500, 510, 520, 530, 2000], np.int64),
-    item=np.array([1, 2, 3, 4, 3, 5, 6], np.int32),
-    category=np.zeros(7, np.int32),
-    action=np.array(
-      [
-        a["click"],
-        a["order"],
-        a["impression"],
-        a["click"],
-        a["order"],
-        a["impression"],
-        a["cart"],
-      ],
-      np.int8,
-    ),
-    price=np.ones(7, np.float32),
-  )
-  req = events.requests_from_log(log, cfg)
-  assert list(req.ts) == [500, 500, 2000]
-  assert list(np.diff(req.cand_offsets)) == [3, 2, 2]
-  pos = [
-    req.cand_item[req.cand_offsets[i] : req.cand_offsets[i + 1] - 1]
-    for i in range(3)
-  ]
-  assert [list(p) for p in pos] == [[3, 4], [5], [6]]
-  # item 3: impression then order -> click and conversion.
-  np.testing.assert_array_equal(
-    req.labels[[0, 1, 3, 5]], [[1, 1], [1, 0], [0, 0], [1, 0]]
-  )
-  neg = req.cand_offsets[1:] - 1
-  assert (req.labels[neg] == 0).all()
-
-
 def synthetic_taobao(path, cfg, blocks=3):
   beh = {0: "pv", 1: "pv", 2: "cart", 3: "buy"}
   with open(path, "w") as f:
@@ -289,8 +247,9 @@ def synthetic_taobao(path, cfg, blocks=3):
 
 def test_log_source_loader_shards_users_and_resumes(tmp_path):
   p = synthetic_taobao(tmp_path / "UserBehavior.csv", CFG)
+  # One cut time for all processes needs split_time; the user split has none.
   cfg = dataclasses.replace(
-    CFG, source="taobao", path=str(p), session_gap_s=86_400
+    CFG, source="taobao", path=str(p), session_gap_s=86_400, protocol="user"
   )
   whole = Loader(cfg, num_shards=2)
   parts = [
@@ -319,4 +278,4 @@ def test_log_source_loader_shards_users_and_resumes(tmp_path):
     int((np.diff(b.cand_offsets, axis=-1) > 0).sum())
     for b in eval_batches(cfg, num_shards=2)
   )
-  assert n_eval == len(whole.source.held) > 0
+  assert n_eval == len(whole.source.held_req) > 0
