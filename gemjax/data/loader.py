@@ -37,6 +37,7 @@ import concurrent.futures
 import copy
 import multiprocessing
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -79,7 +80,7 @@ class SyntheticSource:
 
 
 class LogSource:
-  """A real event log (`cfg.source` "movielens", "taobao" or "events").
+  """A real event log (`cfg.source` other than "synthetic", see READERS).
 
   Users are spread over the `num_shards` shards by a hash of the user id;
   this process keeps only its shards' users while reading (memory holds its
@@ -95,7 +96,9 @@ class LogSource:
   READERS = {
     "movielens": events.read_movielens,
     "taobao": events.read_taobao,
+    "recbole": events.read_recbole,
     "events": events.read_events_csv,
+    "parquet": events.read_events_parquet,
   }
 
   def __init__(self, cfg: DataConfig, num_shards: int, shards: range):
@@ -105,6 +108,9 @@ class LogSource:
     mine[list(shards)] = True
     keep = lambda u: mine[events.hash_rows(u, num_shards)]
     self.log = self.READERS[cfg.source](cfg.path, cfg, self.counters, keep)
+    if 0 in shards:  # one summary per run: the process holding shard 0
+      for line in events.describe(cfg.path, self.counters, cfg):
+        print(line, file=sys.stderr)
     req = events.requests_from_log(self.log, cfg, cfg.path)
     self.req = events.check_requests(self.log, req, cfg, self.counters)
     held = events.hash_rows(self.req.user ^ 0x5EED, 1000) < round(
