@@ -28,9 +28,10 @@ A request asks "rank these candidates for this user at this time":
   cand_price    float32[c]
   labels        float32[c, 2]  (click, conversion); NaN = missing label
 
-Readers for real public formats (MovieLens, Taobao UserBehavior) live below
-with the bad-input rules; the synthetic generator (`synthetic.py`) writes the
-same two structures, so every source goes through one request builder.
+Readers for real formats (MovieLens, Taobao UserBehavior, RecBole atomic
+files, gemjax's event CSV and Parquet) live below with the bad-input rules;
+the synthetic generator (`synthetic.py`) writes the same two structures, so
+every source goes through one request builder.
 """
 
 import dataclasses

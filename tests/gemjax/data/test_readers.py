@@ -10,8 +10,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from gemjax.data import events, synthetic
@@ -39,6 +37,7 @@ EV = "user,ts,item,category,action,price\n"
 INTER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
 PQ = dict(user=[1, 2, 3], ts=[5, 6, 7], item=[1, 2, 3], category=[4, 4, 4])
 PQ = {**PQ, "action": ["click"] * 3, "price": [1.0, 2.0, 3.0]}
+PQ_TYPES = ("int64",) * 4 + ("string", "float64")
 
 
 def tb(*bad):
@@ -53,7 +52,8 @@ def ev(*bad):
 
 
 def pq_with(**cols):
-  """The Parquet table PQ with some columns replaced (arrow arrays)."""
+  """The Parquet table PQ with some columns replaced: a column is a list,
+  or (list, arrow type name)."""
   return {**PQ, **cols}
 
 
@@ -133,11 +133,11 @@ CASES = [
    r"x.inter:3: item 'ab' is not an integer id",
    (2, {"bad_id": 1, "malformed": 1, "nonfinite_timestamp": 1})),
   ("parquet_uint64_id_2^63", "parquet", "e.parquet",
-   pq_with(item=pa.array([1, 2**63, 3], pa.uint64())),
+   pq_with(item=([1, 2**63, 3], "uint64")),
    rf"e.parquet: row 1: item {2**63} is not an integer id",
    (2, {"bad_id": 1})),
   ("parquet_null_id_and_bad_action", "parquet", "e.parquet",
-   pq_with(user=pa.array([1, None, 3]), action=pa.array([1, 2, 9])),
+   pq_with(user=[1, None, 3], action=[1, 2, 9]),
    r"e.parquet: row 1: user null is not an integer id",
    (1, {"bad_id": 1, "unknown_action": 1})),
   ("parquet_nan_price", "parquet", "e.parquet",
@@ -148,14 +148,23 @@ CASES = [
    r"e.parquet: column item is double; ids must be integers",
    r"e.parquet: column item is double"),
   ("parquet_no_rows", "parquet", "e.parquet",
-   pa.table(PQ).slice(0, 0),
+   {k: (v[:0], t) for k, v, t in zip(PQ, PQ.values(), PQ_TYPES)},
    r"^no events in \S*e.parquet$", r"^no events in \S*e.parquet$"),
 ]  # fmt: skip
 
 
 def write(path, content):
-  if isinstance(content, dict | pa.Table):
-    pq.write_table(pa.table(content), path)
+  if isinstance(content, dict):
+    # pyarrow is imported here, not at the top: collecting this file (e.g.
+    # for `-m gpu` runs) must not need it.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = {
+      k: pa.array(*v) if isinstance(v, tuple) else pa.array(v)
+      for k, v in content.items()
+    }
+    pq.write_table(pa.table(arrays), path)
   else:
     path.write_bytes(content.encode())
   return path
