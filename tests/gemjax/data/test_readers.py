@@ -371,3 +371,21 @@ def test_synthetic_data_never_imports_pyarrow():
     "assert 'pyarrow' not in sys.modules, 'pyarrow imported'"
   )
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_real_ml100k_through_the_loader(capsys):
+  cfg = dataclasses.replace(
+    CFG,
+    source="recbole",
+    path=str(ml100k_path()),
+    num_items=200_000,
+    num_categories=2_000,
+    read_chunk_bytes=1 << 20,
+  )
+  loader = Loader(cfg, num_shards=2)
+  next(loader).validate(cfg.vocab_sizes())
+  assert loader.counters["events_read"] == 100_000
+  assert capsys.readouterr().err.startswith(
+    f"data: {cfg.path}: 100,000 events read, 0 rows skipped, 943 users, "
+    "1,682 items, 19 categories, time 1997-09-20 .. 1998-04-22"
+  )
