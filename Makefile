@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= smoke
 ARGS ?=
 
-.PHONY: train test lint clean
+.PHONY: train test lint data clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }
@@ -21,6 +21,11 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 -q
+
+# Public logs into data/ (ignored by git): ml-100k for source=recbole and
+# the tests that read it (they skip without it).
+data: $(VENV)/.installed
+	$(PY) -m gemjax.data.fetch
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

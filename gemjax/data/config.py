@@ -41,13 +41,16 @@ SEQ_FEATURES = ("item_id", "category_id", "action", "ts_delta", "ts_to_req")
 SEQ_FEATURES = SEQ_FEATURES + ("price",)
 CAND_FEATURES = ("item_id", "category_id", "price")
 TASKS = ("ctr", "cvr")
+SOURCES = ("synthetic", "movielens", "taobao", "recbole", "events", "parquet")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   # Source: "synthetic" (generated event logs), or a file at `path` read by
-  # gemjax.data.events: "movielens" (ratings.dat / ratings.csv), "taobao"
-  # (UserBehavior.csv) or "events" (gemjax's own event CSV).
+  # gemjax.data.events (needs pyarrow, the `data` extra): "movielens"
+  # (ratings.dat / ratings.csv), "taobao" (UserBehavior.csv), "recbole" (a
+  # RecBole atomic `.inter` file, e.g. ml-100k from `make data`), "events"
+  # (gemjax's own event CSV) or "parquet" (the same schema in Parquet).
   source: str = "synthetic"
   path: str = ""
   seed: int = 0
@@ -94,6 +97,8 @@ class DataConfig:
     ("cart", "cart"),
     ("buy", "order"),
   )
+  # Bytes per CSV block read at a time (Parquet: read_chunk_bytes / 64 rows);
+  # reading memory is a small multiple of it.
   read_chunk_bytes: int = 8 << 20
   # Requests from a log (gemjax.data.protocol): a user's events are cut
   # into requests at gaps longer than `session_gap_s` and after every
@@ -148,8 +153,12 @@ class DataConfig:
   eval_requests: int = 4096
 
   def __post_init__(self):
+    _check(self.source in SOURCES, f"source {self.source!r} not in {SOURCES}")
     _check(
-      self.source in ("synthetic", "movielens", "taobao", "events"), "source"
+      (self.source == "synthetic") == (not self.path),
+      f"data.path={self.path!r} with data.source={self.source!r}: a file "
+      "needs one of the file sources "
+      f"{SOURCES[1:]}, and only a file source takes a path",
     )
     _check(
       self.dedup in ("none", "consecutive", "item_action", "item"), "dedup"

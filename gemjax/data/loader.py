@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import multiprocessing
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -110,7 +111,7 @@ class SyntheticSource:
 
 
 class LogSource:
-  """A real event log (`cfg.source` "movielens", "taobao" or "events").
+  """A real event log (`cfg.source` other than "synthetic", see READERS).
 
   Users are spread over the `num_shards` shards by a hash of the user id;
   this process keeps only its shards' users while reading (memory holds its
@@ -129,7 +130,9 @@ class LogSource:
   READERS = {
     "movielens": events.read_movielens,
     "taobao": events.read_taobao,
+    "recbole": events.read_recbole,
     "events": events.read_events_csv,
+    "parquet": events.read_events_parquet,
   }
 
   def __init__(self, cfg: DataConfig, num_shards: int, shards: range):
@@ -148,6 +151,9 @@ class LogSource:
       )
     keep = lambda u: mine[events.hash_rows(u, num_shards)]
     self.log = self.READERS[cfg.source](cfg.path, cfg, self.counters, keep)
+    if 0 in shards:  # one summary per run: the process holding shard 0
+      for line in events.describe(cfg.path, self.counters, cfg):
+        print(line, file=sys.stderr)
     self.req, self.held_req = protocol.split_requests(
       self.log, cfg, cfg.path, self.counters
     )
