@@ -11,6 +11,7 @@ from gemjax.data.events import EventLog, concat_logs, sort_log
 
 CFG = DataConfig(
   source="events",
+  path="events.csv",  # the protocol reads an EventLog; no file is opened
   num_items=1 << 16,
   num_categories=64,
   num_users=1 << 16,

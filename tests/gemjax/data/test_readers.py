@@ -323,6 +323,7 @@ def test_log_source_prints_summary_and_table_advice(tmp_path, capsys):
     num_items=50,
     num_categories=50,
     session_gap_s=3600,
+    protocol="user",  # LogSource of one of two processes: no shared cut
   )
   loader = Loader(cfg, num_shards=2)
   err = capsys.readouterr().err.splitlines()
