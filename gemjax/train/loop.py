@@ -176,7 +176,8 @@ class Trainer:
       users, mask = metrics.candidate_rows(
         full.user_id, full.cand_offsets, full.cand_capacity
       )
-      acc.add(np.asarray(full.labels), np.asarray(probs), users, mask)
+      labels = np.asarray(full.labels)[..., self.model_def.label_columns]
+      acc.add(labels, np.asarray(probs), users, mask)
     return acc.result()
 
 
