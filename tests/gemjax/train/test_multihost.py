@@ -199,11 +199,8 @@ def _train_config():
   import dataclasses
 
   cfg = _config()
-  # No DHEN layer: its expert shard_map does not run under the context mesh
-  # that `train` sets (a separate defect; the worker above covers experts).
   return dataclasses.replace(
     cfg,
-    model=dataclasses.replace(cfg.model, dhen_layers=0),
     train=dataclasses.replace(
       cfg.train, steps=TRAIN_STEPS, checkpoint_every=2, log_every=1
     ),
