@@ -241,7 +241,10 @@ def train(
   A resume continues the run the checkpoint's config describes: a model or
   data config that differs is refused (naming the fields), unless
   `train.allow_config_change`. A different `train.steps` extends the run,
-  or, when the checkpoint is already there, only evaluates.
+  or, when the checkpoint is already there, only evaluates. (The learning
+  rate schedule is a function of `train.steps`: an extended run follows the
+  longer schedule from its resume step on, so it is not bit-identical to a
+  run that had the longer `train.steps` from the start.)
   """
   tr = Trainer.create(cfg, run_dir, devices)
   main = jax.process_index() == 0

@@ -171,13 +171,18 @@ class RunLog:
     path = pathlib.Path(path)
     if path.exists():
       with open(path) as f:
-        records = [(line, json.loads(line)) for line in f if line.strip()]
+        lines = f.read().splitlines(keepends=True)
+      # A kill in the middle of a write leaves a last line without its
+      # newline: that record is lost (its step is redone), not an error.
+      if lines and not lines[-1].endswith("\n"):
+        lines.pop()
       redone = lambda r: (
         r["step"] > after
         or (redo_eval and r["step"] == after and r["event"] == "eval")
       )
+      kept = [x for x in lines if x.strip() and not redone(json.loads(x))]
       tmp = path.with_name(path.name + ".tmp")
-      tmp.write_text("".join(line for line, r in records if not redone(r)))
+      tmp.write_text("".join(kept))
       os.replace(tmp, path)
     self.f = open(path, "a")  # noqa: SIM115
 

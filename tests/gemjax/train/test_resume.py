@@ -15,7 +15,7 @@ import pytest
 
 from gemjax.train.checkpoint import CannotResume
 from gemjax.train.loop import train
-from gemjax.train.runtime import RunDir
+from gemjax.train.runtime import RunDir, RunLog
 from tests.gemjax.train.test_train import TINY, final_state, tiny
 
 ROOT = os.path.dirname(
@@ -85,6 +85,31 @@ def test_resume_checks_config_and_steps(tmp_path, capsys):
   train(tiny("train.steps=3"), run)
   assert [r["step"] for r in records(run, "train")] == [1, 2, 3]
   assert [r["step"] for r in records(run, "eval")] == [2, 3]
+
+
+def test_run_log_drops_what_a_resume_redoes(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  old = [
+    {"event": "start", "step": 0},
+    *({"event": "train", "step": s} for s in (1, 2, 3)),
+    {"event": "eval", "step": 3},
+  ]
+  lines = "".join(json.dumps(r) + "\n" for r in old)
+  path.write_text(lines + '{"event": "train", "st')  # a write cut short
+  with RunLog(path, after=2) as log:
+    log.write(event="train", step=3)
+  read = lambda: [json.loads(x) for x in path.read_text().splitlines()]
+  assert [(r["event"], r["step"]) for r in read()] == [
+    ("start", 0),
+    ("train", 1),
+    ("train", 2),
+    ("train", 3),
+  ]
+  path.write_text(lines)
+  with RunLog(path, after=3, redo_eval=True) as log:
+    log.write(event="eval", step=3)
+  assert [r["event"] for r in read()].count("eval") == 1
+  assert not (tmp_path / "metrics.jsonl.tmp").exists()
 
 
 def test_a_run_directory_holds_one_run(tmp_path):
