@@ -14,7 +14,7 @@ import pkgutil
 import types
 import typing
 
-from gemjax.data.config import DataConfig
+from gemjax.data.config import TASKS, DataConfig, checker
 
 __all__ = ["Config", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig"]
 
@@ -24,6 +24,7 @@ FP8_LAYER_FAMILIES = ("attn", "ffn", "input", "heads")
 SEQ_ATTENTION = ("softmax", "block", "sliding")
 CAND_ATTENTION = ("softmax", "gdpa")
 GDPA_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,31 +85,75 @@ class ModelConfig:
   pooled_queries: int = 0
 
   def __post_init__(self):
-    for name, value, allowed in (
-      ("seq_attention", self.seq_attention, SEQ_ATTENTION),
-      ("block_size", self.block_size, (32, 64, 128)),
-      ("cand_attention", self.cand_attention, CAND_ATTENTION),
-      ("gdpa_activation", self.gdpa_activation, GDPA_ACTIVATIONS),
-      ("gdpa_normalize", self.gdpa_normalize, (None, "hstu")),
-    ):
-      if value not in allowed:
-        raise ValueError(f"{name}={value!r}: one of {allowed}")
-    if self.sliding_window < 1 or self.pooled_queries < 0:
-      raise ValueError("sliding_window must be >= 1, pooled_queries >= 0")
-    if self.fp8 not in FP8_FORMATS:
-      raise ValueError(f"fp8={self.fp8!r}: one of {FP8_FORMATS}")
-    bad = set(self.fp8_layers) - set(FP8_LAYER_FAMILIES)
-    if bad:
-      raise ValueError(
-        f"fp8_layers {sorted(bad)} unknown; choose from {FP8_LAYER_FAMILIES}"
+    c = checker(self, "model")
+    for name in ("d_model", "num_layers", "num_heads", "num_kv_heads"):
+      c(name, getattr(self, name) >= 1, ">= 1")
+    c(
+      "num_kv_heads",
+      self.num_heads % self.num_kv_heads == 0,
+      f"a divisor of num_heads={self.num_heads} (GQA groups)",
+    )
+    c("head_dim", self.head_dim >= 0, ">= 0 (0 = d_model // num_heads)")
+    if not self.head_dim:
+      c(
+        "d_model",
+        self.d_model % self.num_heads == 0,
+        f"a multiple of num_heads={self.num_heads}, or set head_dim",
       )
-    if self.fp8_keep_last < 0:
-      raise ValueError(f"fp8_keep_last={self.fp8_keep_last} must be >= 0")
-    if not self.head_dim and self.d_model % self.num_heads:
-      raise ValueError(
-        f"d_model={self.d_model} is not divisible by num_heads="
-        f"{self.num_heads}; set head_dim explicitly"
-      )
+    c(
+      "layer_order",
+      all(0 <= i < self.num_layers for i in self.layer_order),
+      f"block indices in [0, num_layers={self.num_layers})",
+    )
+    c("ffn_mult", self.ffn_mult > 0, "> 0")
+    c("cross_layers", self.cross_layers >= 0, ">= 0")
+    c(
+      "emb_dim",
+      self.emb_dim >= 32 and self.emb_dim % 32 == 0,
+      "a multiple of 32",
+    )
+    c("head_hidden", all(h >= 1 for h in self.head_hidden), "all >= 1")
+    c("dhen_layers", self.dhen_layers >= 0, ">= 0")
+    c("dropout", 0 <= self.dropout < 1, "in [0, 1)")
+    c(
+      "tasks",
+      len(self.tasks) >= 1
+      and len(set(self.tasks)) == len(self.tasks)
+      and set(self.tasks) <= set(TASKS),
+      f"distinct names of {TASKS}, at least one",
+    )
+    c("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
+    c(
+      "seq_attention",
+      self.seq_attention in SEQ_ATTENTION,
+      f"one of {SEQ_ATTENTION}",
+    )
+    c("block_size", self.block_size in (32, 64, 128), "one of (32, 64, 128)")
+    c(
+      "cand_attention",
+      self.cand_attention in CAND_ATTENTION,
+      f"one of {CAND_ATTENTION}",
+    )
+    c(
+      "gdpa_activation",
+      self.gdpa_activation in GDPA_ACTIVATIONS,
+      f"one of {GDPA_ACTIVATIONS}",
+    )
+    c(
+      "gdpa_normalize",
+      self.gdpa_normalize in (None, "hstu"),
+      "one of (None, 'hstu')",
+    )
+    c("sliding_window", self.sliding_window >= 1, ">= 1")
+    c("pooled_queries", self.pooled_queries >= 0, ">= 0")
+    c("fp8", self.fp8 in FP8_FORMATS, f"one of {FP8_FORMATS}")
+    c(
+      "fp8_layers",
+      set(self.fp8_layers) <= set(FP8_LAYER_FAMILIES),
+      f"names from {FP8_LAYER_FAMILIES}",
+    )
+    c("fp8_keep_last", self.fp8_keep_last >= 0, ">= 0")
+    c("fp8_hadamard", self.fp8_hadamard >= 0, ">= 0 (0 = off)")
 
   @property
   def attn_head_dim(self) -> int:
@@ -138,6 +183,26 @@ class TrainConfig:
   baselines: bool = True
   run_dir: str = "runs/{config}"
   progress: bool = True  # live progress line on stderr
+  # Resuming a run whose checkpoint was written under another model or data
+  # config is refused (the checkpoint would not fit, or the data would
+  # silently change); this lets it go on anyway.
+  allow_config_change: bool = False
+
+  def __post_init__(self):
+    c = checker(self, "train")
+    for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+      c(name, getattr(self, name) >= 1, ">= 1")
+    for name in ("warmup_steps", "eval_batches"):
+      c(name, getattr(self, name) >= 0, ">= 0")
+    for name in ("learning_rate", "embedding_learning_rate"):
+      c(name, getattr(self, name) >= 0, ">= 0")
+    c("weight_decay", self.weight_decay >= 0, ">= 0")
+    c(
+      "embedding_initial_accumulator",
+      self.embedding_initial_accumulator > 0,
+      "> 0",
+    )
+    c("grad_clip_norm", self.grad_clip_norm > 0, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +217,19 @@ class MeshConfig:
   # each), a multiple of the device count; 0 = one per device. Fixing it makes
   # the global batch, and so the math, independent of the device count.
   data_shards: int = 0
+
+  def __post_init__(self):
+    c = checker(self, "mesh")
+    sizes = (self.cluster, self.zone, self.node)
+    for name, size in zip(("cluster", "zone", "node"), sizes, strict=True):
+      c(name, size >= 1 or size == -1, ">= 1, or -1 for what is left")
+    c("node", sizes.count(-1) <= 1, "-1 in at most one tier")
+    c("data_shards", self.data_shards >= 0, ">= 0 (0 = one per device)")
+    # The names only: sharding.rules owns the tables (imported here, not at
+    # the top, so that configs stay importable without the sharding stack).
+    from sharding.rules import STRATEGIES
+
+    c("strategy", self.strategy in STRATEGIES, f"one of {tuple(STRATEGIES)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,10 +116,13 @@ def run_experts(mesh: Mesh, strategy: str, w_el, x_s, fns):
     y = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)  # [E (expert), s]
     return jnp.moveaxis(y, 0, 1)  # [s, E, ...]
 
-  out = jax.shard_map(
-    body,
-    mesh=em,
-    in_specs=(w_spec, PartitionSpec(batch)),
-    out_specs=PartitionSpec(batch),
-  )(w_el, x_s)
+  # `em` splits `node` in two, so it is not the caller's context mesh (the
+  # training loop sets one): the expert exchange runs under its own.
+  with jax.sharding.use_abstract_mesh(em.abstract_mesh):
+    out = jax.shard_map(
+      body,
+      mesh=em,
+      in_specs=(w_spec, PartitionSpec(batch)),
+      out_specs=PartitionSpec(batch),
+    )(w_el, x_s)
   return [out[:, e] for e in range(num)]

@@ -153,66 +153,114 @@ class DataConfig:
   eval_requests: int = 4096
 
   def __post_init__(self):
-    _check(self.source in SOURCES, f"source {self.source!r} not in {SOURCES}")
-    _check(
+    c = checker(self, "data")
+    for name, allowed in (
+      ("source", SOURCES),
+      ("protocol", ("temporal", "leave_one_out", "user")),
+      ("negatives", ("popularity", "uniform")),
+      ("dedup", ("none", "consecutive", "item_action", "item")),
+      ("on_bad_input", ("error", "skip")),
+      ("time_order", ("sort", "error", "skip")),
+      ("batching", ("bbs", "random")),
+      ("bbs_weight", ("tokens", "attn", "cost")),
+    ):
+      c(name, getattr(self, name) in allowed, f"one of {allowed}")
+    for name in ("rating_actions", "taobao_actions"):
+      c(
+        name,
+        all(a in ACTIONS for _, a in getattr(self, name)),
+        f"pairs naming actions of {ACTIONS}",
+      )
+    c(
+      "path",
       (self.source == "synthetic") == (not self.path),
-      f"data.path={self.path!r} with data.source={self.source!r}: a file "
-      "needs one of the file sources "
-      f"{SOURCES[1:]}, and only a file source takes a path",
+      f"set with data.source={self.source!r}: a file needs one of the file "
+      f"sources {SOURCES[1:]}, and only a file source takes a path",
     )
-    _check(
-      self.dedup in ("none", "consecutive", "item_action", "item"), "dedup"
-    )
-    _check(self.on_bad_input in ("error", "skip"), "on_bad_input")
-    _check(self.time_order in ("sort", "error", "skip"), "time_order")
-    _check(
-      all(a in ACTIONS for _, a in self.rating_actions + self.taobao_actions),
-      "rating_actions / taobao_actions name unknown actions",
-    )
-    _check(0 <= self.neg_per_request < self.max_cands, "neg_per_request")
-    _check(0 < self.eval_frac < 1, "eval_frac")
-    _check(self.protocol in ("temporal", "leave_one_out", "user"), "protocol")
-    _check(self.negatives in ("popularity", "uniform"), "negatives")
-    _check(self.loo_negatives >= 1, "loo_negatives")
-    _check(self.split_time >= 0, "split_time")
-    _check(self.batching in ("bbs", "random"), "batching")
-    _check(self.bbs_weight in ("tokens", "attn", "cost"), "bbs_weight")
     names = [a for a, _ in self.quota]
-    _check(
-      sorted(names) == sorted(set(names)) and set(names) <= set(ACTIONS),
-      f"quota names must be distinct actions of {ACTIONS}, got {names}",
+    c(
+      "quota",
+      len(names) == len(set(names)) and set(names) <= set(ACTIONS),
+      f"distinct actions of {ACTIONS}",
     )
-    _check(all(c >= 0 for _, c in self.quota), "quota caps must be >= 0")
-    _check(set(self.no_backfill) <= set(ACTIONS), "no_backfill")
-    _check(self.max_seq_len >= 1, "max_seq_len")
+    c(
+      "quota",
+      all(cap >= 0 for _, cap in self.quota),
+      "(action, cap) pairs with caps >= 0",
+    )
+    c(
+      "no_backfill",
+      set(self.no_backfill) <= set(ACTIONS),
+      f"actions of {ACTIONS}",
+    )
+    for name in (
+      "num_items",
+      "num_categories",
+      "num_users",
+      "max_seq_len",
+      "requests_per_shard",
+      "bbs_minibatch",
+      "bbs_pool_batches",
+      "read_chunk_bytes",
+    ):
+      c(name, getattr(self, name) >= 1, ">= 1")
+    for name in (
+      "num_dense",
+      "session_gap_s",
+      "eval_requests",
+      "workers",
+      "prefetch",
+    ):
+      c(name, getattr(self, name) >= 0, ">= 0")
+    c(
+      "num_categories",
+      self.num_categories <= self.num_items,
+      f"<= num_items={self.num_items}",
+    )
+    c(
+      "neg_per_request",
+      0 <= self.neg_per_request < self.max_cands,
+      f"in [0, max_cands={self.max_cands})",
+    )
+    c("eval_frac", 0 < self.eval_frac < 1, "in (0, 1)")
+    c("loo_negatives", self.loo_negatives >= 1, ">= 1")
+    c("split_time", self.split_time >= 0, ">= 0 (0: from eval_frac)")
     # 0 = derived from the log (`loader.resolve_capacities`), real logs only.
     auto = self.source != "synthetic"
-    _check(
+    c(
+      "token_capacity",
       self.token_capacity >= self.max_seq_len
       or (auto and self.token_capacity == 0),
-      f"token_capacity {self.token_capacity} < max_seq_len "
-      f"{self.max_seq_len}: a full-length history could never fit",
+      f">= max_seq_len={self.max_seq_len} (a full-length history must fit)"
+      + (", or 0 to derive it from the log" if auto else ""),
     )
-    _check(1 <= self.min_cands <= self.max_cands, "min_cands <= max_cands")
-    _check(
+    c("min_cands", self.min_cands >= 1, ">= 1")
+    c(
+      "max_cands",
+      self.max_cands >= self.min_cands,
+      f">= min_cands={self.min_cands}",
+    )
+    c(
+      "cand_capacity",
       self.cand_capacity >= self.max_request_cands
       or (auto and self.cand_capacity == 0),
-      f"cand_capacity {self.cand_capacity} < {self.max_request_cands}, the "
-      "most candidates of one request",
+      f">= {self.max_request_cands}, the most candidates of one request"
+      + (", or 0 to derive it from the log" if auto else ""),
     )
-    _check(
+    c(
+      "requests_per_shard",
       self.requests_per_shard % self.bbs_minibatch == 0,
-      f"requests_per_shard {self.requests_per_shard} must be a multiple of "
-      f"bbs_minibatch {self.bbs_minibatch}",
+      f"a multiple of bbs_minibatch={self.bbs_minibatch}",
     )
-    _check(self.bbs_pool_batches >= 1, "bbs_pool_batches")
-    _check(self.num_items >= 1 and self.num_categories >= 1, "tables")
-    _check(self.num_categories <= self.num_items, "num_categories")
-    _check(self.ts_buckets >= 3 and self.price_buckets >= 3, "buckets")
-    _check(self.ts_bucket_base > 1 and self.price_bucket_base > 1, "bases")
-    _check(0 <= self.zero_len_frac < 1, "zero_len_frac")
-    _check(self.eval_requests >= 0, "eval_requests")
-    _check(self.workers >= 0 and self.prefetch >= 0, "workers / prefetch")
+    for name in ("ts_buckets", "price_buckets"):
+      c(name, getattr(self, name) >= 3, ">= 3")
+    for name in ("ts_bucket_base", "price_bucket_base"):
+      c(name, getattr(self, name) > 1, "> 1")
+    c("zero_len_frac", 0 <= self.zero_len_frac < 1, "in [0, 1)")
+    c("len_median", self.len_median > 0, "> 0")
+    c("len_sigma", self.len_sigma >= 0, ">= 0")
+    for name in ("item_zipf", "category_zipf"):
+      c(name, getattr(self, name) > 0, "> 0")
 
   @property
   def max_request_cands(self) -> int:
@@ -251,6 +299,14 @@ def vocab_sizes(cfg: DataConfig) -> dict[str, int]:
   }
 
 
-def _check(ok: bool, what: str = "") -> None:
-  if not ok:
-    raise ValueError(f"invalid DataConfig: {what}")
+def checker(cfg, section: str):
+  """`check(name, ok, allowed)` for the fields of `cfg`: when not `ok`, a
+  one-line ValueError naming `section.name`, its value and what is allowed
+  (the same words a `--set section.name=...` override would use)."""
+
+  def check(name: str, ok: bool, allowed) -> None:
+    if not ok:
+      value = getattr(cfg, name)
+      raise ValueError(f"{section}.{name}={value!r}: must be {allowed}")
+
+  return check

@@ -341,10 +341,20 @@ class Loader:
     """Continue exactly where `state` was taken."""
     if state.get("version") != _STATE_VERSION:
       raise ValueError(f"loader state version {state.get('version')}")
-    want = {"split": self.split, "num_shards": self.num_shards}
-    got = {k: state.get(k) for k in want}
-    if got != want or set(state["carry"]) != {str(s) for s in self.shards}:
-      raise ValueError(f"loader state is for {got}, this loader is {want}")
+    want = {
+      "split": self.split,
+      "num_shards": self.num_shards,
+      "shards": sorted(self.shards),
+    }
+    got = {
+      "split": state.get("split"),
+      "num_shards": state.get("num_shards"),
+      "shards": sorted(int(s) for s in state.get("carry", {})),
+    }
+    diff = [f"{k} {got[k]} (this loader: {want[k]})" for k in want]
+    diff = [d for d, k in zip(diff, want, strict=True) if got[k] != want[k]]
+    if diff:
+      raise ValueError(f"loader state is for another loader: {'; '.join(diff)}")
     self._stop_thread()
     self._pos = copy.deepcopy(state)
     self._visible = copy.deepcopy(state)

@@ -3,7 +3,9 @@
 Trains a named config from `configs/`, prints a live progress line and a
 final metrics table, and leaves checkpoints and `metrics.jsonl` in the run
 directory (`train.run_dir`, default `runs/<config>`). Running it again on the
-same run directory resumes from the latest checkpoint.
+same run directory resumes from the latest checkpoint (the same model and
+data config, or `--allow-config-change`; another `train.steps` extends the
+run). SIGTERM saves a checkpoint at the next step and exits with status 143.
 
 Multi-host: when `GEMJAX_COORDINATOR` (host:port), `GEMJAX_NUM_PROCESSES` and
 `GEMJAX_PROCESS_ID` are set, `jax.distributed.initialize` joins the processes
@@ -12,6 +14,7 @@ before anything else touches a device.
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -29,7 +32,14 @@ def main(argv=None) -> int:
     help="override a config field",
   )
   p.add_argument("--run-dir", default=None, help="default: train.run_dir")
+  p.add_argument(
+    "--allow-config-change",
+    action="store_true",
+    help="resume a run dir whose checkpoint has another model/data config",
+  )
   args = p.parse_args(argv)
+  if args.allow_config_change:
+    args.overrides.append("train.allow_config_change=true")
 
   from gemjax import config as config_lib
 
@@ -41,9 +51,18 @@ def main(argv=None) -> int:
   _maybe_init_distributed()
 
   from gemjax import metrics
+  from gemjax.train.checkpoint import CannotResume
   from gemjax.train.loop import train
+  from gemjax.train.runtime import Preempted
 
-  result = train(cfg, args.run_dir)
+  try:
+    result = train(cfg, args.run_dir)
+  except Preempted as e:
+    print(f"\n{e}", file=sys.stderr)
+    return 128 + signal.SIGTERM  # the shell's code for "ended by SIGTERM"
+  except CannotResume as e:  # one line, no traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(metrics.format_table(result))
   return 0
 

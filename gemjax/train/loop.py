@@ -3,12 +3,12 @@
 1. Build the mesh from the config's tiers and the loader for this process's
    data shards (one shard per device).
 2. Build the model, place parameters by the strategy's logical-axis rules,
-   and restore the latest checkpoint of the run directory if there is one
-   (parameters, optimizer state, step, RNG and data position: an exact
-   resume).
+   lock the run directory, and restore its newest checkpoint that reads
+   (parameters, optimizer state, step, RNG and every process's data
+   position: an exact resume), if its stored config is this run's.
 3. Step: jitted train step on the stacked batch, a live progress line, a
    `metrics.jsonl` record every `log_every` steps, a checkpoint every
-   `checkpoint_every` steps and at the end.
+   `checkpoint_every` steps, at the end and on SIGTERM.
 4. Evaluate on the held-out set and print per-task AUC, UAUC, NE, calibration.
 """
 
@@ -26,10 +26,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import sharding
+from gemjax import config as config_lib
 from gemjax import metrics
 from gemjax.data import loader as data_loader
+from gemjax.train import runtime
 from gemjax.train import step as step_lib
-from gemjax.train.checkpoint import Checkpointer
+from gemjax.train.checkpoint import CannotResume, Checkpointer, config_changes
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 
@@ -198,7 +200,8 @@ class Trainer:
       groups, _ = metrics.candidate_rows(
         req_ids, full.cand_offsets, full.cand_capacity
       )
-      acc.add(np.asarray(full.labels), np.asarray(probs), users, mask, groups)
+      labels = np.asarray(full.labels)[..., self.model_def.label_columns]
+      acc.add(labels, np.asarray(probs), users, mask, groups)
     return acc.result(rank_at(self.cfg.data))
 
   def baselines(self) -> dict:
@@ -212,6 +215,9 @@ class Trainer:
     test, scores = baselines.score_all(
       source.train_pools(), source.eval_pools()[0]
     )
+    cols = list(self.model_def.label_columns)  # the model's tasks' labels
+    test = dataclasses.replace(test, labels=test.labels[:, cols])
+    scores = {k: v[:, cols] for k, v in scores.items()}
     return baselines.baseline_metrics(
       test, scores, self.cfg.model.tasks, rank_at(self.cfg.data)
     )
@@ -277,103 +283,139 @@ def train(
   `stop_at` ends the run early after that step (with a checkpoint), as if
   the job had been killed there; the resume test uses it. `devices`: default
   all (tests pass a subset). Returns the final evaluation metrics ({} when
-  stopped early).
+  stopped early). SIGTERM saves a checkpoint at the next step and raises
+  `Preempted`.
+
+  A resume continues the run the checkpoint's config describes: a model or
+  data config that differs is refused (naming the fields), unless
+  `train.allow_config_change`. A different `train.steps` extends the run,
+  or, when the checkpoint is already there, only evaluates. (The learning
+  rate schedule is a function of `train.steps`: an extended run follows the
+  longer schedule from its resume step on, so it is not bit-identical to a
+  run that had the longer `train.steps` from the start.)
   """
   tr = Trainer.create(cfg, run_dir, devices)
   cfg = tr.cfg  # with capacities derived from the data, if any
-  tr.run_dir.mkdir(parents=True, exist_ok=True)
   main = jax.process_index() == 0
+  say = functools.partial(print, file=sys.stderr) if main else _silent
   with (
-    RunLog(tr.run_dir / "metrics.jsonl", enabled=main) as log,
+    runtime.RunDir(tr.run_dir),
     contextlib.closing(
       Checkpointer(tr.run_dir / "checkpoints", cfg.train.keep_checkpoints)
     ) as ckpt,
     contextlib.closing(tr.loader()) as loader,
     jax.set_mesh(tr.mesh),
+    runtime.StopSignal() as stop,
   ):
-    start = ckpt.latest_step()
-    if start is None:
-      state = tr.init_state()
+    found = ckpt.restore_latest(
+      tr.abstract_state,
+      functools.partial(_check_resume, cfg, tr.run_dir),
+      agree=runtime.everywhere,
+      log=say,
+    )
+    if found is None:
+      step, state = 0, tr.init_state()
     else:
-      state, data_state = ckpt.restore(start, tr.abstract_state)
-      loader.restore(data_state)
-      if main:
-        print(f"resumed {tr.run_dir} at step {start}", file=sys.stderr)
-    step = int(start or 0)
+      step, state, data_state, _ = found
+      loader.restore(_this_process(data_state, tr.run_dir))
+      say(f"resumed {tr.run_dir} at step {step}")
     total = cfg.train.steps
+    if step >= total:
+      say(f"already at step {step} (train.steps={total}): evaluating only")
     last = min(total, stop_at) if stop_at is not None else total
     progress = Progress(total, step, cfg.train.progress and main)
-    log.write(
-      event="start",
-      config=dataclasses.asdict(cfg),
-      step=step,
-      devices=tr.mesh.size,
-      processes=jax.process_count(),
-    )
-    while step < last:
-      batch = next(loader)
-      progress.add(
-        int(np.sum(batch.cand_offsets[:, -1])),
-        int(np.sum(batch.offsets[:, -1])),
+    with runtime.RunLog(
+      tr.run_dir / "metrics.jsonl", main, after=step, redo_eval=step >= total
+    ) as log:
+      log.write(
+        event="start",
+        config=config_lib.to_dict(cfg),
+        step=step,
+        devices=tr.mesh.size,
+        processes=jax.process_count(),
       )
-      state, m = tr.train_step(state, tr.to_device(batch))
-      step += 1
-      if step % cfg.train.log_every == 0 or step == last:
-        loss = float(m["loss"])
-        if not np.isfinite(loss):
-          raise FloatingPointError(f"loss is {loss} at step {step}")
-        log.write(
-          event="train",
-          step=step,
-          loss=loss,
-          task_loss=np.asarray(m["task_loss"]).tolist(),
-          grad_norm=float(m["grad_norm"]),
-          **progress.show(step, loss),
-          data=loader.counters,
+      while step < last:
+        batch = next(loader)
+        progress.add(
+          int(np.sum(batch.cand_offsets[:, -1])),
+          int(np.sum(batch.offsets[:, -1])),
         )
-      if step % cfg.train.checkpoint_every == 0 or step == last:
-        ckpt.save(step, state, loader.state())
-    progress.close()
-    ckpt.wait()
-    if step < total:
-      return {}
-    result = tr.evaluate(state["params"], cfg.train.eval_batches)
-    if (
-      cfg.train.baselines
-      and cfg.data.source != "synthetic"
-      and jax.process_count() == 1
-      and not cfg.train.eval_batches
-    ):
-      result["baselines"] = tr.baselines()
-    log.write(event="eval", step=step, metrics=result)
+        state, m = tr.train_step(state, tr.to_device(batch))
+        step += 1
+        if step % cfg.train.log_every == 0 or step == last:
+          loss = float(m["loss"])
+          if not np.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+          log.write(
+            event="train",
+            step=step,
+            loss=loss,
+            task_loss=np.asarray(m["task_loss"]).tolist(),
+            grad_norm=float(m["grad_norm"]),
+            **progress.show(step, loss),
+            data=runtime.sum_counters(runtime.allgather_json(loader.counters)),
+          )
+        stopping = stop.requested(step)
+        if stopping or step % cfg.train.checkpoint_every == 0 or step == last:
+          ckpt.save(
+            step,
+            state,
+            {"processes": runtime.gathered_by_process(loader.state())},
+            config_lib.to_dict(cfg),
+          )
+        if stopping:
+          progress.close()
+          ckpt.wait()
+          raise runtime.Preempted(step)
+      progress.close()
+      ckpt.wait()
+      if step < total:
+        return {}
+      result = tr.evaluate(state["params"], cfg.train.eval_batches)
+      if (
+        cfg.train.baselines
+        and cfg.data.source != "synthetic"
+        and jax.process_count() == 1
+        and not cfg.train.eval_batches
+      ):
+        result["baselines"] = tr.baselines()
+      log.write(event="eval", step=step, metrics=result)
   return result
 
 
-class RunLog:
-  """`metrics.jsonl`: one JSON record per line, written by process 0 only."""
-
-  def __init__(self, path, enabled: bool = True):
-    self.f = open(path, "a") if enabled else None  # noqa: SIM115
-
-  def write(self, **record) -> None:
-    if self.f is not None:
-      self.f.write(json.dumps(record, default=_json_default) + "\n")
-      self.f.flush()
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    if self.f is not None:
-      self.f.close()
+def _silent(*args, **kwargs) -> None:
+  pass
 
 
-def _json_default(x):
-  if isinstance(x, (np.floating, np.integer)):
-    return x.item()
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  return str(x)
+def _check_resume(cfg, run_dir, saved: dict | None) -> None:
+  """Refuse to resume a checkpoint written under another model or data
+  config (see `checkpoint.config_changes`)."""
+  if cfg.train.allow_config_change:
+    return
+  if saved is None:
+    changes = ["the checkpoint stores no config"]
+  else:
+    # Compared as stored: JSON (tuples read back as lists).
+    current = json.loads(json.dumps(config_lib.to_dict(cfg)))
+    changes = config_changes(saved, current)
+  if changes:
+    raise CannotResume(
+      f"{run_dir} holds a run of another config ({', '.join(changes)}): "
+      "use a new --run-dir, or --allow-config-change "
+      "(train.allow_config_change=true) to continue it anyway"
+    )
+
+
+def _this_process(data_state: dict, run_dir) -> dict:
+  """This process's loader position from a checkpoint's `data` item."""
+  held = data_state.get("processes", {})
+  if len(held) != jax.process_count():
+    raise CannotResume(
+      f"{run_dir}: the checkpoint holds the data positions of "
+      f"{len(held)} process(es), this run has {jax.process_count()}; "
+      "resume with the same number of processes"
+    )
+  return held[str(jax.process_index())]
 
 
 def upscaled_start(src: Trainer, dst: Trainer, layer_map) -> None:
@@ -393,6 +435,11 @@ def upscaled_start(src: Trainer, dst: Trainer, layer_map) -> None:
     _host_state(params, dst.tx, dst.cfg.train.seed), dst.state_shardings
   )
   out = Checkpointer(dst.run_dir / "checkpoints")
-  out.save(0, new, dst.loader().state())
+  out.save(
+    0,
+    new,
+    {"processes": runtime.gathered_by_process(dst.loader().state())},
+    config_lib.to_dict(dst.cfg),
+  )
   out.wait()
   out.close()

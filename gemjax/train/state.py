@@ -10,6 +10,7 @@ import dataclasses
 import jax
 from flax import nnx
 
+from gemjax.data.config import TASKS
 from gemjax.model.ranking import RankingModel
 
 
@@ -18,6 +19,9 @@ class ModelDef:
   graphdef: nnx.GraphDef
   template: nnx.State  # abstract state: shapes, dtypes, metadata
   logical_axes: dict  # pure dict of tuples, parallel to params
+  # Columns of the batch's `labels` (one per data TASKS name) that the
+  # model's heads predict, in head order: `model.tasks` may be a subset.
+  label_columns: tuple[int, ...]
 
   def bind(self, params) -> RankingModel:
     state = jax.tree.map(lambda x: x, self.template)
@@ -51,4 +55,5 @@ def build(cfg, seed: int, *, abstract: bool = False):
   template = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state
   )
-  return ModelDef(graphdef, template, axes), params
+  columns = tuple(TASKS.index(t) for t in cfg.model.tasks)
+  return ModelDef(graphdef, template, axes, columns), params

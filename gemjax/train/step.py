@@ -89,7 +89,8 @@ def loss_fn(
     placement=placement,
   )
   mask = candidate_mask(batch)[..., None]  # [S, c, 1]
-  per = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+  labels = batch.labels[..., model_def.label_columns]  # [S, c, tasks]
+  per = optax.sigmoid_binary_cross_entropy(logits, labels)
   count = jnp.maximum(jnp.sum(mask), 1)
   task_loss = jnp.sum(jnp.where(mask, per, 0), axis=(0, 1)) / count
   return jnp.sum(task_loss), task_loss

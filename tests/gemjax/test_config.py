@@ -87,3 +87,56 @@ def test_from_dict_names_an_unknown_key():
   d["model"]["dmodel"] = 3
   with pytest.raises(ValueError, match="unknown key 'model.dmodel'"):
     config.from_dict(d)
+
+
+@pytest.mark.parametrize(
+  "item, message",
+  [
+    ("model.d_model=0", "model.d_model=0: must be >= 1"),
+    ("model.num_heads=0", "model.num_heads=0: must be >= 1"),
+    ("model.num_kv_heads=0", "model.num_kv_heads=0: must be >= 1"),
+    ("model.num_kv_heads=3", "model.num_kv_heads=3: must be a divisor of"),
+    ("model.d_model=60", "model.d_model=60: must be a multiple of num_heads"),
+    ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
+    ("model.layer_order=0,5", r"model.layer_order=\(0, 5\): must be block"),
+    ("model.emb_dim=48", "model.emb_dim=48: must be a multiple of 32"),
+    ("model.tasks=ctr,foo", r"model.tasks=\('ctr', 'foo'\): must be distinct"),
+    ("model.tasks=", r"model.tasks=\(\): must be distinct names of"),
+    ("model.tasks=ctr,ctr", r"model.tasks=\('ctr', 'ctr'\)"),
+    ("model.dtype=int8", "model.dtype='int8': must be one of"),
+    ("model.seq_attention=x", "model.seq_attention='x': must be one of"),
+    ("model.dropout=1", "model.dropout=1.0: must be in"),
+    ("train.steps=0", "train.steps=0: must be >= 1"),
+    ("train.steps=-1", "train.steps=-1: must be >= 1"),
+    ("train.log_every=0", "train.log_every=0: must be >= 1"),
+    ("train.checkpoint_every=0", "train.checkpoint_every=0: must be >= 1"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints=0: must be >= 1"),
+    ("train.grad_clip_norm=0", "train.grad_clip_norm=0.0: must be > 0"),
+    ("mesh.strategy=zero3", "mesh.strategy='zero3': must be one of .*'fsdp'"),
+    ("mesh.node=0", "mesh.node=0: must be >= 1, or -1"),
+    ("mesh.data_shards=-2", "mesh.data_shards=-2: must be >= 0"),
+    ("data.requests_per_shard=0", "data.requests_per_shard=0: must be >= 1"),
+    ("data.bbs_minibatch=0", "data.bbs_minibatch=0: must be >= 1"),
+    (
+      "data.source=parquet",
+      "data.source='parquet': must be one of .*'synthetic', 'movielens'",
+    ),
+    ("data.dedup=all", "data.dedup='all': must be one of .*'item_action'"),
+    ("data.batching=x", r"data.batching='x': must be one of \('bbs', 'rand"),
+    ("data.token_capacity=8", "data.token_capacity=8: must be >= max_seq_len"),
+    ("data.requests_per_shard=30", "must be a multiple of bbs_minibatch=4"),
+  ],
+)
+def test_bad_value_fails_at_once_naming_field_value_and_choices(item, message):
+  """Each bad value fails when the config is made, before anything is built,
+  in one line: the field, the value, and what is allowed."""
+  with pytest.raises(ValueError, match=message) as e:
+    config.load("smoke", [item])
+  assert "\n" not in str(e.value)
+
+
+def test_cli_reports_a_bad_value_in_one_line(capsys):
+  from gemjax.train.__main__ import main
+
+  assert main(["--config", "smoke", "--set", "train.steps=0"]) == 2
+  assert capsys.readouterr().err == "error: train.steps=0: must be >= 1\n"

@@ -132,8 +132,15 @@ def test_processes_read_their_own_shards(smoke):
 
 def test_state_is_checked_on_restore(smoke):
   state = Loader(smoke, num_shards=2).state()
-  with pytest.raises(ValueError, match="num_shards"):
+  with pytest.raises(ValueError, match="num_shards 2 .this loader: 4."):
     Loader(smoke, num_shards=4).restore(state)
+  # Another process's position: same split and shard count, other shards.
+  first = Loader(smoke, num_shards=4, process_index=0, process_count=2)
+  second = Loader(smoke, num_shards=4, process_index=1, process_count=2)
+  with pytest.raises(
+    ValueError, match=r"shards \[0, 1\] \(this loader: \[2, 3\]\)$"
+  ):
+    second.restore(first.state())
 
 
 def _requests(batches):

@@ -161,9 +161,19 @@ def test_leave_one_out_holds_each_users_last_event():
     assert held.cand_item[sl][0] == last_item[u] and held.ts[r] == last_ts[u]
     assert held.labels[sl][0, 0] == 1 and (held.labels[sl][1:] == 0).all()
   check_negatives(log, held, 20)
-  # Training never labels a user's last event.
+  # Training never labels a user's last event: its item is a training
+  # candidate only if the user touched it before.
+  earlier = {
+    (int(u), int(i))
+    for u, i, t in zip(log.user, log.item, log.ts, strict=True)
+    if t < last_ts[u] or i != last_item[u]
+  }
   for r, sl in enumerate(per_request(train)):
-    assert train.ts[r] <= last_ts[train.user[r]]
+    u = train.user[r]
+    assert train.ts[r] <= last_ts[u]
+    pos = train.cand_item[sl][train.labels[sl, 0] > 0]
+    if last_item[u] in pos:
+      assert (int(u), int(last_item[u])) in earlier
   assert c["cand_sampled_eval"] == 20 * len(held)
 
 

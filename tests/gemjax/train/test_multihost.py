@@ -10,12 +10,19 @@ re-assembly and the expert pair exchange stay inside a process. Each
 process loads only its own 4 data shards. The losses and parameters must
 equal one device training on all 8 shards.
 
-The worker is this file run as a module:
+Runs of `train` on two processes (`train_worker`) are killed with SIGKILL
+and stopped with SIGTERM, restarted, and must end bit-identical to a run
+that was never interrupted; run directories per process are refused at
+start with one line.
+
+The workers are this file run as a module:
   python -m tests.gemjax.train.test_multihost worker
+  python -m tests.gemjax.train.test_multihost train RUN_DIR
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,12 +54,16 @@ def _summary(params) -> list[float]:
   return [float(x) for x in sums(params)]
 
 
-def worker() -> None:
+def _xla_flags() -> None:
   os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=4 "
     "--xla_backend_optimization_level=0 "
     "--xla_llvm_disable_expensive_passes=true"
   )
+
+
+def worker() -> None:
+  _xla_flags()
   from gemjax.train.__main__ import _maybe_init_distributed
 
   _maybe_init_distributed()
@@ -112,12 +123,13 @@ def _reference():
   return losses, _summary(state["params"])
 
 
-@pytest.mark.slow
-def test_two_processes_train_like_one_device(tmp_path):
+def _launch(tmp_path, name, args, **more_env) -> list:
+  """Start 2 worker processes; their output goes to tmp_path/name{pid}.*."""
   port = _free_port()
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env.update(
+    more_env,
     GEMJAX_COORDINATOR=f"127.0.0.1:{port}",
     GEMJAX_NUM_PROCESSES="2",
     PYTHONPATH=ROOT,
@@ -128,39 +140,218 @@ def test_two_processes_train_like_one_device(tmp_path):
   for pid in range(2):
     env["GEMJAX_PROCESS_ID"] = str(pid)
     with (
-      open(tmp_path / f"worker{pid}.out", "w") as out,
-      open(tmp_path / f"worker{pid}.err", "w") as err,
+      open(tmp_path / f"{name}{pid}.out", "w") as out,
+      open(tmp_path / f"{name}{pid}.err", "w") as err,
     ):
       procs.append(
         subprocess.Popen(
-          [sys.executable, "-m", "tests.gemjax.train.test_multihost", "worker"],
+          [sys.executable, "-m", "tests.gemjax.train.test_multihost", *args],
           cwd=ROOT,
           env=dict(env),
           stdout=out,
           stderr=err,
         )
       )
-  ref_losses, ref_params = _reference()  # while the workers compile
-  deadline = time.monotonic() + 300
-  outs = []
+  return procs
+
+
+def _wait(procs, tmp_path, name, timeout=300) -> list[int]:
+  """Return codes of `procs`, killing them all if one is late."""
+  deadline = time.monotonic() + timeout
   try:
-    for pid, p in enumerate(procs):
+    for p in procs:
       p.wait(timeout=max(deadline - time.monotonic(), 1))
-      err = (tmp_path / f"worker{pid}.err").read_text()
-      assert p.returncode == 0, err[-4000:]
-      out = (tmp_path / f"worker{pid}.out").read_text()
-      line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-      outs.append(json.loads(line[len("RESULT ") :]))
+  except subprocess.TimeoutExpired:
+    errs = [(tmp_path / f"{name}{i}.err").read_text() for i in range(2)]
+    raise AssertionError(f"{name} hung: {errs[0][-2000:]}") from None
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
         p.wait()
+  return [p.returncode for p in procs]
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_device(tmp_path):
+  procs = _launch(tmp_path, "worker", ["worker"])
+  ref_losses, ref_params = _reference()  # while the workers compile
+  codes = _wait(procs, tmp_path, "worker")
+  outs = []
+  for pid in range(2):
+    err = (tmp_path / f"worker{pid}.err").read_text()
+    assert codes[pid] == 0, err[-4000:]
+    out = (tmp_path / f"worker{pid}.out").read_text()
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    outs.append(json.loads(line[len("RESULT ") :]))
   assert sorted(o["process"] for o in outs) == [0, 1]
   for o in outs:
     np.testing.assert_allclose(o["losses"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(o["params"], ref_params, rtol=1e-5)
 
 
+# -- train(): kills, SIGTERM, run directories --------------------------------
+
+TRAIN_STEPS = 8
+
+
+def _train_config():
+  import dataclasses
+
+  cfg = _config()
+  return dataclasses.replace(
+    cfg,
+    train=dataclasses.replace(
+      cfg.train, steps=TRAIN_STEPS, checkpoint_every=2, log_every=1
+    ),
+  )
+
+
+def train_worker(run_dir: str) -> None:
+  """`train` on this process's part; with GEMJAX_TEST_STEP_S, each step
+  takes at least that long (so a test can stop the run mid-way)."""
+  _xla_flags()
+  from gemjax.train.__main__ import _maybe_init_distributed
+
+  _maybe_init_distributed()
+  from gemjax.train import loop
+  from gemjax.train.checkpoint import CannotResume
+  from gemjax.train.runtime import Preempted
+
+  pause = float(os.environ.get("GEMJAX_TEST_STEP_S", "0"))
+  if pause:
+    fast = loop.Trainer.train_step
+
+    def slow(self):
+      def step(*args):
+        time.sleep(pause)
+        return fast.fget(self)(*args)
+
+      return step
+
+    loop.Trainer.train_step = property(slow)
+  try:
+    loop.train(_train_config(), run_dir)
+  except Preempted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(143)
+  except CannotResume as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _records(run_dir, event="train"):
+  path = run_dir / "metrics.jsonl"
+  if not path.exists():
+    return []
+  with open(path) as f:
+    return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+def _until(cond, procs, what, timeout=240):
+  deadline = time.monotonic() + timeout
+  while not cond():
+    assert all(p.poll() is None for p in procs), f"exited before {what}"
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.1)
+
+
+def _final(run_dir):
+  """Final checkpoint's state (read onto one device) and data position."""
+  import dataclasses
+
+  import jax
+
+  from gemjax.train.checkpoint import Checkpointer
+  from gemjax.train.loop import Trainer
+
+  cfg = _train_config()
+  one = dataclasses.replace(
+    cfg, mesh=dataclasses.replace(cfg.mesh, zone=1, node=1)
+  )
+  tr = Trainer.create(one, run_dir, jax.devices()[:1])
+  ckpt = Checkpointer(run_dir / "checkpoints")
+  state, data = ckpt.restore(ckpt.latest_step(), tr.abstract_state)
+  ckpt.close()
+  return jax.device_get(state), data
+
+
+@pytest.mark.slow
+def test_killed_and_stopped_two_process_run_resumes_exactly(tmp_path):
+  """Run B is SIGKILLed (both processes) after its step-4 checkpoint,
+  restarted, stopped by SIGTERM (a checkpoint, exit 143 within 60 s),
+  restarted again, and ends bit-identical to run A, which never stopped:
+  parameters, optimizer state, every process's data position, losses,
+  with one record per step and data counters over both processes."""
+  import jax
+
+  from gemjax.data import loader as data_loader
+
+  a, b = tmp_path / "a", tmp_path / "b"
+  slow = {"GEMJAX_TEST_STEP_S": "0.5"}
+  assert _wait(_launch(tmp_path, "a", ["train", str(a)]), tmp_path, "a") == [
+    0,
+    0,
+  ], (tmp_path / "a0.err").read_text()[-3000:]
+
+  procs = _launch(tmp_path, "b", ["train", str(b)], **slow)
+  _until(
+    lambda: (b / "checkpoints" / "4" / "commit_success.txt").exists(),
+    procs,
+    "checkpoint 4",
+  )
+  for p in procs:
+    p.kill()
+  _wait(procs, tmp_path, "b")
+  assert not _records(b, "eval")
+  start = len(_records(b))
+  procs = _launch(tmp_path, "c", ["train", str(b)], **slow)
+  _until(lambda: len(_records(b)) > start, procs, "a step after resuming")
+  t0 = time.monotonic()
+  for p in procs:
+    p.send_signal(signal.SIGTERM)
+  codes = _wait(procs, tmp_path, "c", timeout=60)
+  assert time.monotonic() - t0 < 60
+  err = (tmp_path / "c0.err").read_text()
+  assert codes == [143, 143], err[-3000:]
+  assert "stopped by SIGTERM at step" in err
+  assert "resumed" in err and "at step 4" in err
+  assert _wait(_launch(tmp_path, "d", ["train", str(b)]), tmp_path, "d") == [
+    0,
+    0,
+  ], (tmp_path / "d0.err").read_text()[-3000:]
+
+  sa, da = _final(a)
+  sb, db = _final(b)
+  assert int(sa["step"]) == int(sb["step"]) == TRAIN_STEPS
+  assert da == db and sorted(da["processes"]) == ["0", "1"]
+  for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+    np.testing.assert_array_equal(x, y)
+  ra, rb = _records(a), _records(b)
+  assert [r["step"] for r in rb] == list(range(1, TRAIN_STEPS + 1))
+  assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+  assert len(_records(b, "eval")) == 1
+  # The counters cover both processes' shards: those of one loader of all.
+  cfg = _train_config()
+  it = data_loader.Loader(cfg.data, num_shards=8, split="train")
+  for _ in range(TRAIN_STEPS):
+    next(it)
+  assert ra[-1]["data"] == it.counters
+  it.close()
+
+
+@pytest.mark.slow
+def test_run_directories_per_process_are_refused_at_start(tmp_path):
+  """Orbax writes one checkpoint from all processes into one directory:
+  without a shared one, both processes stop at start in one line, before
+  any checkpoint could hang them."""
+  procs = _launch(tmp_path, "p", ["train", str(tmp_path / "run{pid}")])
+  assert _wait(procs, tmp_path, "p", timeout=120) == [2, 2]
+  err = (tmp_path / "p1.err").read_text()
+  assert "needs one run directory on a file system shared by all" in err
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
   worker()
+elif __name__ == "__main__" and sys.argv[1:2] == ["train"]:
+  train_worker(sys.argv[2].format(pid=os.environ["GEMJAX_PROCESS_ID"]))

@@ -2,6 +2,7 @@
 every named config, and depth up-scaling."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -49,8 +50,6 @@ def final_state(run_dir, cfg, devices=None):
 
 
 def losses(run_dir):
-  import json
-
   with open(f"{run_dir}/metrics.jsonl") as f:
     return [r["loss"] for r in map(json.loads, f) if r["event"] == "train"]
 
@@ -152,3 +151,16 @@ def test_equal_configs_share_compiled_steps(tmp_path):
   steps(tiny("train.learning_rate=5e-4"))  # a fifth: lr 1e-2 is dropped
   assert steps(tiny()) is a.train_step
   assert steps(tiny("train.learning_rate=1e-2")) is not other.train_step
+
+
+def test_a_subset_of_tasks_trains_and_evaluates(tmp_path):
+  """`model.tasks=cvr`: one head, trained on and scored against the CVR
+  labels column (not broadcast against every column)."""
+  cfg = tiny("model.tasks=cvr", "train.steps=1", "mesh.data_shards=1")
+  result = train(cfg, tmp_path, devices=jax.devices()[:1])
+  assert set(result) == {"cvr"}
+  with open(tmp_path / "metrics.jsonl") as f:
+    (rec,) = [r for r in map(json.loads, f) if r["event"] == "train"]
+  assert len(rec["task_loss"]) == 1
+  tr = Trainer.create(cfg, tmp_path, devices=jax.devices()[:1])
+  assert tr.model_def.label_columns == (1,)
