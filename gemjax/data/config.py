@@ -174,9 +174,10 @@ class DataConfig:
     c(
       "path",
       (self.source == "synthetic") == (not self.path),
-      f"set with data.source={self.source!r}: a file needs one of the file "
-      f"sources {SOURCES[1:]}, and only a file source takes a path",
-    )
+      (f"empty with data.source={self.source!r}" if self.path
+       else f"a file with data.source={self.source!r}")
+      + f" (the file sources are {SOURCES[1:]})",
+    )  # fmt: skip
     names = [a for a, _ in self.quota]
     c(
       "quota",

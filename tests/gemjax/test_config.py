@@ -118,8 +118,8 @@ def test_from_dict_names_an_unknown_key():
     ("data.requests_per_shard=0", "data.requests_per_shard=0: must be >= 1"),
     ("data.bbs_minibatch=0", "data.bbs_minibatch=0: must be >= 1"),
     (
-      "data.source=parquet",
-      "data.source='parquet': must be one of .*'synthetic', 'movielens'",
+      "data.source=parket",
+      "data.source='parket': must be one of .*'synthetic', 'movielens'",
     ),
     ("data.dedup=all", "data.dedup='all': must be one of .*'item_action'"),
     ("data.batching=x", r"data.batching='x': must be one of \('bbs', 'rand"),
