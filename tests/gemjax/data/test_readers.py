@@ -223,9 +223,9 @@ def test_reader_filtered_to_no_user_gives_an_empty_log(tmp_path):
 
 
 def test_path_without_file_source_is_refused():
-  with pytest.raises(ValueError, match="data.path='x.csv': must be empty with data.source="):
+  with pytest.raises(ValueError, match="path='x.csv': must be empty with"):
     DataConfig(path="x.csv")
-  with pytest.raises(ValueError, match="data.path='': must be a file with data.source='tao"):
+  with pytest.raises(ValueError, match="path='': must be a file with data"):
     DataConfig(source="taobao")
 
 
