@@ -44,7 +44,7 @@ class CrossBlock(Block):
   """Candidates attend to their request's sequence, then an FFN."""
 
   def __call__(
-    self, c_cd, seq_td, cand_offsets, offsets, *, max_cands, max_len
+    self, c_cd, seq_td, cand_offsets, offsets, *, max_cands, max_len, op=None
   ):
     c_cd = c_cd + self.attn(
       self.attn_norm(c_cd),
@@ -53,6 +53,7 @@ class CrossBlock(Block):
       offsets,
       max_len_q=max_cands,
       max_len_kv=max_len,
+      op=op,
     )
     return c_cd + self.ffn(self.ffn_norm(c_cd))
 
@@ -175,9 +176,13 @@ class RankingModel(nnx.Module):
       else None
     )
 
-  def __call__(self, batch, *, max_len: int, max_cands: int, key=None):
+  def __call__(
+    self, batch, *, max_len: int, max_cands: int, key=None, cross_op=None
+  ):
     """One (unstacked) `JaggedBatch` -> logits `[c, tasks]` (f32)."""
-    feats = self.features(batch, max_len=max_len, max_cands=max_cands)
+    feats = self.features(
+      batch, max_len=max_len, max_cands=max_cands, cross_op=cross_op
+    )
     if self.dhen is not None:
       feats = self.dhen(feats)
     return self.head(feats, key=key)
@@ -186,8 +191,12 @@ class RankingModel(nnx.Module):
     """Candidate features `[c, 2*d_model + emb_dim]` -> logits `[c, tasks]`."""
     return self.heads(feats, dropout=self.cfg.dropout, key=key)
 
-  def features(self, batch, *, max_len: int, max_cands: int):
-    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`."""
+  def features(self, batch, *, max_len: int, max_cands: int, cross_op=None):
+    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`.
+
+    `cross_op` replaces the cross blocks' attention op (`Attention`'s
+    `op`); serving's per-candidate and padded baselines use it.
+    """
     dtype = jnp.dtype(self.cfg.dtype)
     t, c = batch.token_capacity, batch.cand_capacity
     tok_valid = jnp.arange(t) < batch.offsets[-1]
@@ -218,6 +227,7 @@ class RankingModel(nnx.Module):
         batch.offsets,
         max_cands=max_cands,
         max_len=max_len,
+        op=cross_op,
       )
     c_cd = self.cand_norm(c_cd)
     item_emb = self.embeddings.lookup("item_id", batch.cand["item_id"])
