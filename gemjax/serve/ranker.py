@@ -126,6 +126,9 @@ class Ranker:
     self.compilations = 0
     self.counters: dict[str, int] = {}
     self._spec_cache: dict = {}
+    # Called after every program run with (bucket, requests, candidates):
+    # the HTTP service's batch-fill metric.
+    self.on_batch = None
 
   # -- Construction ---------------------------------------------------------
 
@@ -294,7 +297,8 @@ class Ranker:
     if PLACEHOLDER in log.extra:
       # Placeholders of empty histories are not leaked events.
       n = int(log.extra[PLACEHOLDER].sum())
-      counters["leakage_excluded"] -= n
+      if n:
+        counters["leakage_excluded"] -= n
       cols.pop(PLACEHOLDER)
     return build.assemble(req, offsets, cols, seg, self.cfg.data)
 
@@ -321,6 +325,8 @@ class Ranker:
         [first[u] for u in idx], [first[u] + unit_c[u] for u in idx]
       )
       out[rows] = probs[: rows.size]
+      if self.on_batch is not None:
+        self.on_batch(bucket, len(idx), rows.size)
     return np.split(out, np.asarray(req.cand_offsets[1:-1]))
 
 

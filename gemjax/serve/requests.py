@@ -40,7 +40,9 @@ class RequestError(ValueError):
 
 
 def _column(obj, name, where, n_rows, table):
-  """One history/candidate column as an array, checked element-wise."""
+  """One history/candidate column as an array, checked: a vectorised check
+  first, and only when it fails the element-wise one that names the bad
+  entry."""
   field = f"{where}.{name}"
   vals = obj.get(name) if isinstance(obj, dict) else None
   if vals is None:
@@ -49,39 +51,63 @@ def _column(obj, name, where, n_rows, table):
     raise RequestError(field, f"must be a list, got {type(vals).__name__}")
   if n_rows is not None and len(vals) != n_rows:
     raise RequestError(field, f"has {len(vals)} entries, expected {n_rows}")
-  if name == "action":
-    out = np.empty(len(vals), np.int8)
-    for j, a in enumerate(vals):
-      if isinstance(a, str) and a in ACTION_ID:
-        out[j] = ACTION_ID[a]
-      elif _is_int(a) and 0 <= a < len(ACTIONS):
-        out[j] = a
-      else:
-        raise RequestError(
-          f"{field}[{j}]", f"{a!r} is not an action (one of {ACTIONS})"
-        )
-    return out
+  try:
+    arr = np.asarray(vals)
+  except ValueError:
+    arr = np.asarray([None])  # ragged: the element-wise check names it
+  n = len(vals)
   if name == "price":
-    out = np.empty(len(vals), np.float32)
-    for j, p in enumerate(vals):
-      if not _is_number(p) or not math.isfinite(p) or p < 0:
-        raise RequestError(
-          f"{field}[{j}]", f"{p!r} is not a price (finite, >= 0)"
-        )
-      out[j] = p
-    return out
-  out = np.empty(len(vals), np.int64)
+    if arr.dtype.kind in "iuf" and arr.ndim == 1 or n == 0:
+      arr = arr.astype(np.float64)
+      if np.isfinite(arr).all() and (arr >= 0).all():
+        return arr.astype(np.float32)
+    return _slow_price(vals, field)
+  if name == "action":
+    if arr.ndim == 1 and arr.dtype.kind in "iu" or n == 0:
+      if ((arr >= 0) & (arr < len(ACTIONS))).all():
+        return arr.astype(np.int8)
+    elif arr.ndim == 1 and arr.dtype.kind == "U":
+      ids = np.array([ACTION_ID.get(a, -1) for a in arr.tolist()], np.int64)
+      if (ids >= 0).all():
+        return ids.astype(np.int8)
+    return _slow_action(vals, field)
+  if arr.ndim == 1 and arr.dtype.kind in "iu" or n == 0:
+    arr = arr.astype(np.int64)
+    if (arr >= 0).all() and (table is None or (arr < table).all()):
+      return arr
+  return _slow_ids(vals, field, table)
+
+
+def _slow_price(vals, field):
+  for j, p in enumerate(vals):
+    if not _is_number(p) or not math.isfinite(p) or p < 0:
+      raise RequestError(
+        f"{field}[{j}]", f"{p!r} is not a price (finite, >= 0)"
+      )
+  return np.array(vals, np.float32)
+
+
+def _slow_action(vals, field):
+  for j, a in enumerate(vals):
+    if not (
+      (isinstance(a, str) and a in ACTION_ID)
+      or (_is_int(a) and 0 <= a < len(ACTIONS))
+    ):
+      raise RequestError(
+        f"{field}[{j}]", f"{a!r} is not an action (one of {ACTIONS})"
+      )
+  return np.array([ACTION_ID.get(a, a) for a in vals], np.int8)
+
+
+def _slow_ids(vals, field, table):
   for j, v in enumerate(vals):
     if not _is_int(v):
       raise RequestError(f"{field}[{j}]", f"{v!r} is not an integer")
-    lo, hi = (0, table) if table else (0, None)
-    if v < lo or (hi is not None and v >= hi):
-      raise RequestError(
-        f"{field}[{j}]",
-        f"{v} is outside [0, {hi})" if hi else f"{v} is negative",
-      )
-    out[j] = v
-  return out
+    if v < 0:
+      raise RequestError(f"{field}[{j}]", f"{v} is negative")
+    if table is not None and v >= table:
+      raise RequestError(f"{field}[{j}]", f"{v} is outside [0, {table})")
+  return np.array(vals, np.int64)
 
 
 def _is_int(v) -> bool:
