@@ -192,6 +192,10 @@ class Batcher:
     cands = sum(p["cand_item"].size for p in parsed)
     with self.cv:
       if len(self.queue) >= self.max_queue:
+        # Jobs whose handlers gave up (deadline) free their places.
+        live = [j for j in self.queue if not j.future.cancelled()]
+        self.queue = collections.deque(live)
+      if len(self.queue) >= self.max_queue:
         raise Overloaded
       self.queue.append(_Job(parsed, deadline, fut, cands))
       self.cv.notify()
