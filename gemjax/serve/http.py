@@ -23,6 +23,7 @@ deadline. The worker compiles nothing after start-up (`Ranker.warmup`).
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -262,8 +263,6 @@ def _error(status: int, message: str, field: str | None = None, headers=None):
 
 def make_app(ranker, *, max_wait_ms=5.0, max_queue=64, deadline_ms=1000.0):
   """The Starlette app; the batcher's worker runs for the app's lifetime."""
-  import contextlib
-
   from starlette.applications import Starlette
   from starlette.responses import JSONResponse, PlainTextResponse
   from starlette.routing import Route
@@ -372,6 +371,31 @@ def make_app(ranker, *, max_wait_ms=5.0, max_queue=64, deadline_ms=1000.0):
   )
   app.state.batcher = batcher
   return app
+
+
+@contextlib.contextmanager
+def in_thread(app, host="127.0.0.1", port=0, start_timeout_s=30.0):
+  """Run `app` on uvicorn in a background thread (port 0: a free one);
+  yields its base URL, stops the server on exit. Tests and the benchmark's
+  load generator use it."""
+  import uvicorn
+
+  server = uvicorn.Server(
+    uvicorn.Config(app, host=host, port=port, log_level="error")
+  )
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  t0 = time.monotonic()
+  while not server.started:
+    if not thread.is_alive() or time.monotonic() - t0 > start_timeout_s:
+      raise RuntimeError(f"server on {host}:{port} did not start")
+    time.sleep(0.02)
+  port = server.servers[0].sockets[0].getsockname()[1]
+  try:
+    yield f"http://{host}:{port}"
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
 
 
 def serve(ranker, host="127.0.0.1", port=8000, **kw):

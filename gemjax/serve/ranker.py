@@ -158,13 +158,36 @@ class Ranker:
         state, _ = ckpt.restore(step, tr.abstract_state)
     finally:
       ckpt.close()
-    params = jax.device_put(state["params"], device)
+    return cls.from_params(
+      cfg,
+      jax.device_put(state["params"], device),
+      tr.model_def,
+      shapes=shapes,
+      path=path,
+      chunk=chunk,
+      step=step,
+    )
+
+  @classmethod
+  def from_params(
+    cls,
+    cfg,
+    params,
+    model_def,
+    *,
+    shapes=batching.DEFAULT_SHAPES,
+    path: str = "m_falcon",
+    chunk: int = 128,
+    step=None,
+  ):
+    """A ranker of parameters already in memory (`state.build`'s
+    `ModelDef` and params; benchmarks and notebooks)."""
     leaves, params_def = jax.tree.flatten(params)
     buckets = batching.make_buckets(shapes, cfg.data.max_seq_len)
     ranker = cls(cfg, leaves, buckets, None, step=step)
     batch_def = jax.tree.structure(ranker._example(buckets[0]))
     ranker._make = lambda b: _model_program(
-      tr.model_def,
+      model_def,
       cfg.data.max_seq_len,
       b,
       path,
@@ -302,31 +325,40 @@ class Ranker:
       cols.pop(PLACEHOLDER)
     return build.assemble(req, offsets, cols, seg, self.cfg.data)
 
-  def score_log(self, log, req: Requests) -> list[np.ndarray]:
-    """Training's structures (any number of requests over one log) ->
-    per request, probabilities `[n_cands, tasks]` (float32)."""
+  def batches(self, log, req: Requests):
+    """Yield (bucket, batch, rows) for the requests: the packed jagged
+    batch of each program call, and the output rows (candidate positions
+    of `req`) that its first `len(rows)` candidate rows score."""
     counts = np.diff(req.cand_offsets)
     max_c = max(b.cands for b in self.buckets)
     units = batching.split_units(counts, max_c)
     ureq = _unit_requests(req, units, len(self.tasks))
     pool = self._build(log, ureq)
     unit_c = [hi - lo for _, lo, hi in units]
-    out = np.zeros((int(counts.sum()), len(self.tasks)), np.float32)
     # Output row of each unit's first candidate.
     first = [int(req.cand_offsets[i]) + lo for i, lo, _ in units]
     for idx, bucket in batching.plan(unit_c, self.buckets):
       batch = bbs.gather(
         [(pool, idx)], bucket.requests, bucket.tokens, bucket.cands
       )
-      probs = np.asarray(
-        self.program(bucket)(self.param_leaves, jax.tree.leaves(batch))
-      )
       rows = ranges(
         [first[u] for u in idx], [first[u] + unit_c[u] for u in idx]
       )
-      out[rows] = probs[: rows.size]
+      yield bucket, batch, rows
+
+  def run(self, bucket, batch):
+    """One program call: probabilities `[c, tasks]` on the device."""
+    return self.program(bucket)(self.param_leaves, jax.tree.leaves(batch))
+
+  def score_log(self, log, req: Requests) -> list[np.ndarray]:
+    """Training's structures (any number of requests over one log) ->
+    per request, probabilities `[n_cands, tasks]` (float32)."""
+    out = np.zeros((len(req.cand_item), len(self.tasks)), np.float32)
+    for bucket, batch, rows in self.batches(log, req):
+      out[rows] = np.asarray(self.run(bucket, batch))[: rows.size]
       if self.on_batch is not None:
-        self.on_batch(bucket, len(idx), rows.size)
+        n_req = int(np.count_nonzero(np.diff(batch.cand_offsets)))
+        self.on_batch(bucket, n_req, rows.size)
     return np.split(out, np.asarray(req.cand_offsets[1:-1]))
 
 

@@ -4,18 +4,15 @@ real HTTP client (httpx): scores equal the library's, bad input answers
 /metrics reports what happened. Every call is bounded in time."""
 
 import concurrent.futures
-import contextlib
 import copy
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from gemjax.data import synthetic
-from gemjax.serve.http import make_app
+from gemjax.serve.http import in_thread, make_app
 from gemjax.serve.ranker import Ranker
 from gemjax.serve.requests import request_dicts
 from tests.gemjax.serve.conftest import SHAPES
@@ -23,27 +20,8 @@ from tests.gemjax.serve.conftest import SHAPES
 TIMEOUT = 60.0
 
 
-@contextlib.contextmanager
 def running(ranker, **kw):
-  """The app on uvicorn in a thread, on a free port; yields its URL."""
-  server = uvicorn.Server(
-    uvicorn.Config(
-      make_app(ranker, **kw), host="127.0.0.1", port=0, log_level="error"
-    )
-  )
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  t0 = time.monotonic()
-  while not server.started:
-    assert time.monotonic() - t0 < 30, "server did not start"
-    time.sleep(0.02)
-  port = server.servers[0].sockets[0].getsockname()[1]
-  try:
-    yield f"http://127.0.0.1:{port}"
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+  return in_thread(make_app(ranker, **kw))
 
 
 @pytest.fixture(scope="module")
