@@ -25,25 +25,38 @@ import numpy as np
 @dataclasses.dataclass(frozen=True, order=True)
 class Bucket:
   requests: int  # b
-  cands: int  # c (also the per-request bound `max_cands` of the kernels)
+  cands: int  # c, candidate rows of the batch
   tokens: int  # t = b * max_seq_len
+  # Most candidates of one request (`max_cands` of the kernels: the padded
+  # and reference paths pad each request's queries to it).
+  request_cands: int = 0  # 0 = cands
+
+  def __post_init__(self):
+    if not self.request_cands:
+      object.__setattr__(self, "request_cands", self.cands)
 
   @property
   def name(self) -> str:
-    return f"b{self.requests}_c{self.cands}_t{self.tokens}"
+    return (
+      f"b{self.requests}_c{self.cands}_r{self.request_cands}_t{self.tokens}"
+    )
 
 
-# (requests, candidates) per bucket: single large requests, and several
-# small ones batched together.
+# (requests, candidates[, candidates of one request]) per bucket: single
+# large requests, and several smaller ones batched together.
 DEFAULT_SHAPES = ((1, 128), (1, 512), (1, 2048), (8, 512), (8, 2048))
 
 
 def make_buckets(shapes, max_seq_len: int) -> tuple[Bucket, ...]:
   out = set()
-  for b, c in shapes:
-    if b < 1 or c < 1:
-      raise ValueError(f"bucket (requests={b}, cands={c}) must be positive")
-    out.add(Bucket(int(b), int(c), int(b) * max_seq_len))
+  for shape in shapes:
+    b, c, r = (tuple(shape) + (0,))[:3]
+    if b < 1 or c < 1 or r < 0 or r > c:
+      raise ValueError(
+        f"bucket {tuple(shape)}: requests and candidates must be positive, "
+        "candidates of one request at most the candidates"
+      )
+    out.add(Bucket(int(b), int(c), int(b) * max_seq_len, int(r)))
   return tuple(sorted(out, key=lambda k: (k.cands * k.requests, k)))
 
 
@@ -60,28 +73,36 @@ def split_units(cand_counts, max_cands: int):
 def plan(unit_cands, buckets) -> list[tuple[list[int], Bucket]]:
   """Greedy packing in order: (unit positions, bucket) per batch. A unit
   joins the open batch while some bucket still holds the batch."""
-  batches, cur, n_c = [], [], 0
+  batches, cur, n_c, top = [], [], 0, 0
   for u, c in enumerate(unit_cands):
-    if pick(1, c, buckets, strict=False) is None:
+    if pick(1, c, c, buckets, strict=False) is None:
       raise ValueError(f"unit {u} has {c} candidates: no bucket holds it")
-    if cur and pick(len(cur) + 1, n_c + c, buckets, strict=False) is None:
-      batches.append((cur, pick(len(cur), n_c, buckets)))
-      cur, n_c = [], 0
+    if cur and pick(len(cur) + 1, n_c + c, max(top, c), buckets, False) is None:
+      batches.append((cur, pick(len(cur), n_c, top, buckets)))
+      cur, n_c, top = [], 0, 0
     cur.append(u)
     n_c += c
+    top = max(top, c)
   if cur:
-    batches.append((cur, pick(len(cur), n_c, buckets)))
+    batches.append((cur, pick(len(cur), n_c, top, buckets)))
   return batches
 
 
-def pick(n_requests: int, n_cands: int, buckets, strict: bool = True):
+def pick(n_requests, n_cands, request_cands, buckets, strict: bool = True):
   """The smallest bucket (in candidate slots) that holds the batch; None
   (or with `strict` an error) when none does."""
-  fits = [k for k in buckets if k.requests >= n_requests and k.cands >= n_cands]
+  fits = [
+    k
+    for k in buckets
+    if k.requests >= n_requests
+    and k.cands >= n_cands
+    and k.request_cands >= request_cands
+  ]
   if not fits:
     if not strict:
       return None
     raise ValueError(
-      f"no bucket holds {n_requests} requests with {n_cands} candidates"
+      f"no bucket holds {n_requests} requests with {n_cands} candidates "
+      f"({request_cands} in one request)"
     )
   return min(fits, key=lambda k: (k.cands * k.requests, k))

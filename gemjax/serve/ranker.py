@@ -102,7 +102,9 @@ def _model_program(model_def, max_len, bucket, path, chunk, treedefs):
   def probs(param_leaves, batch_leaves):
     model = model_def.bind(jax.tree.unflatten(params_def, param_leaves))
     batch = jax.tree.unflatten(batch_def, batch_leaves)
-    logits = model(batch, max_len=max_len, max_cands=bucket.cands, cross_op=op)
+    logits = model(
+      batch, max_len=max_len, max_cands=bucket.request_cands, cross_op=op
+    )
     return jax.nn.sigmoid(logits)
 
   return probs
@@ -243,7 +245,12 @@ class Ranker:
       "config": config_lib.to_dict(self.cfg),
       "step": self.step,
       "buckets": [
-        {"requests": b.requests, "cands": b.cands, "tokens": b.tokens}
+        {
+          "requests": b.requests,
+          "cands": b.cands,
+          "tokens": b.tokens,
+          "request_cands": b.request_cands,
+        }
         for b in self.buckets
       ],
       "files": files,
@@ -330,7 +337,7 @@ class Ranker:
     batch of each program call, and the output rows (candidate positions
     of `req`) that its first `len(rows)` candidate rows score."""
     counts = np.diff(req.cand_offsets)
-    max_c = max(b.cands for b in self.buckets)
+    max_c = max(b.request_cands for b in self.buckets)
     units = batching.split_units(counts, max_c)
     ureq = _unit_requests(req, units, len(self.tasks))
     pool = self._build(log, ureq)

@@ -1,0 +1,346 @@
+"""Serving benchmark (O13): M-Falcon against the per-candidate path and a
+padded cuDNN batch, and the HTTP service against the library.
+
+  PYTHONPATH=. python benchmarks/serve.py              # GPU, onetrans_v31
+  PYTHONPATH=. python benchmarks/serve.py --smoke      # CPU dry run (CI)
+
+The model is `onetrans_v31` (d_model 512, 7 SeqFormer layers, GQA 8/2,
+bf16) with random weights: speed does not depend on training. Requests are
+the synthetic 2K traffic (log-normal histories, median 1,100 events, cut at
+2,048 by the training builder) with 100, 500 or 2,000 candidates each; a
+program call scores `max(1, 2000 // candidates)` requests (one capacity
+bucket per case).
+
+Figures, per candidate count:
+1. Device QPS and latency of one program call for the three cross-attention
+   paths (`gemjax.serve.paths`: "m_falcon", "per_candidate", "padded"),
+   same weights, same batches, timed in alternation (`common.
+   time_interleaved`). Goal: M-Falcon >= 2.0x the per-candidate QPS (the
+   seed: +97%). The padded cuDNN batch is shown beside it, without goal.
+2. The library end to end (`Ranker.score_log`: history building on the
+   host, packing, the program, results back), requests per second on one
+   host thread.
+3. The HTTP service (`gemjax.serve.http`, uvicorn in this process; the load
+   generator is a separate process on localhost, so its JSON encoding does
+   not share this interpreter): QPS at saturation (closed loop, several
+   clients) against the library's (goal: >= 0.85x), and latency p50/p99 at
+   a fixed offered load of half the saturated QPS. Bounded in requests and
+   seconds.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+from benchmarks import smoke
+
+os.environ["XLA_FLAGS"] = smoke.xla_flags(sys.argv)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from gemjax import config as config_lib  # noqa: E402
+from gemjax.data import synthetic  # noqa: E402
+from gemjax.data.events import Requests  # noqa: E402
+from gemjax.serve.paths import PATHS  # noqa: E402
+from gemjax.serve.ranker import Ranker, _one_device  # noqa: E402
+from gemjax.serve.requests import request_dicts  # noqa: E402
+from gemjax.train.state import build  # noqa: E402
+
+NAME = "serve"
+SMOKE = [
+  "model.d_model=32",
+  "model.num_layers=1",
+  "model.num_heads=4",
+  "model.num_kv_heads=2",
+  "model.head_hidden=32",
+  "data.max_seq_len=64",
+  "data.len_median=24",
+  "data.num_items=500",
+  "data.num_categories=20",
+  "data.num_users=400",
+]
+
+
+def make_requests(cfg, r: int, n_cands: int, block: int):
+  """`r` synthetic requests (log-normal histories) with `n_cands`
+  candidates each, drawn from the generator's candidate distribution."""
+  log, req, _ = synthetic.generate_raw(cfg.data, synthetic.EVAL, 0, block, r)
+  rng = np.random.default_rng([7, block, n_cands])
+  pool = len(req.cand_item)
+  pick = rng.integers(0, pool, r * n_cands)
+  req = Requests(
+    user=req.user,
+    ts=req.ts,
+    user_row=req.user_row,
+    dense=req.dense,
+    cand_offsets=np.arange(r + 1, dtype=np.int64) * n_cands,
+    cand_item=req.cand_item[pick],
+    cand_category=req.cand_category[pick],
+    cand_price=req.cand_price[pick],
+    labels=np.zeros((r * n_cands, 2), np.float32),
+  )
+  return log, req
+
+
+def device_figures(rankers, log, req, case, per_call, records):
+  """Figure 1: every path's program on the same device batches."""
+  sets = []
+  for bucket, batch, _ in rankers["m_falcon"].batches(log, req):
+    if (
+      len(sets) < 2
+      and int(np.count_nonzero(np.diff(batch.cand_offsets))) == per_call
+    ):
+      sets.append((bucket, jax.device_put(jax.tree.leaves(batch))))
+  runs = {}
+  for path, r in rankers.items():
+    prog, params = r.program(sets[0][0]), r.param_leaves
+    runs[path] = (
+      lambda *leaves, prog=prog, params=params: prog(params, list(leaves)),
+      [tuple(leaves) for _, leaves in sets],
+    )
+  sec = common.time_interleaved(
+    runs,
+    rounds=common.TIMING["rounds"],
+    calls=common.TIMING["iters"],
+    skip_failures=True,
+  )
+  qps = {p: per_call / s for p, s in sec.items()}
+  for p in sec:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        p,
+        "latency_ms (device, one call)",
+        sec[p] * 1e3,
+        lower_is_better=True,
+      )
+    )
+  if "m_falcon" in qps and "per_candidate" in qps:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        "m_falcon",
+        "qps (device)",
+        qps["m_falcon"],
+        baseline="per_candidate",
+        baseline_value=qps["per_candidate"],
+        goal=2.0,
+      )
+    )
+  if "m_falcon" in qps and "padded" in qps:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        "m_falcon",
+        "qps (device) vs padded",
+        qps["m_falcon"],
+        baseline="padded cuDNN/XLA",
+        baseline_value=qps["padded"],
+      )
+    )
+  return qps
+
+
+def library_qps(ranker, log, req, seconds: float) -> float:
+  """Figure 2: requests/s of `score_log` end to end, repeated for about
+  `seconds`."""
+  ranker.score_log(log, req)  # warm
+  n, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds or n == 0:
+    ranker.score_log(log, req)
+    n += len(req)
+  return n / (time.perf_counter() - t0)
+
+
+def _load(url, bodies, concurrency, total, seconds, rate):
+  """Load generator (its own process): POST `bodies` round robin; closed
+  loop with `concurrency` clients, or open loop at `rate` requests/s.
+  Returns (latencies s of 200s, statuses, elapsed s)."""
+  import httpx
+
+  lat, codes = [], {}
+  t0 = time.perf_counter()
+  stop = t0 + seconds
+
+  def one(i, client):
+    s = time.perf_counter()
+    r = client.post(
+      f"{url}/v1/score",
+      content=bodies[i % len(bodies)],
+      headers={"content-type": "application/json"},
+      timeout=60.0,
+    )
+    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+    if r.status_code == 200:
+      lat.append(time.perf_counter() - s)
+
+  with (
+    httpx.Client(limits=httpx.Limits(max_connections=concurrency)) as client,
+    concurrent.futures.ThreadPoolExecutor(concurrency) as pool,
+  ):
+    if rate is None:
+      counter = iter(range(total))
+
+      def worker():
+        for i in counter:
+          if time.perf_counter() > stop:
+            return
+          one(i, client)
+
+      list(pool.map(lambda _: worker(), range(concurrency)))
+    else:
+      futs = []
+      for i in range(total):
+        due = t0 + i / rate
+        if due > stop:
+          break
+        time.sleep(max(0.0, due - time.perf_counter()))
+        futs.append(pool.submit(one, i, client))
+      for f in futs:
+        f.result()
+  return lat, codes, time.perf_counter() - t0
+
+
+def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
+  """Figure 3: saturation QPS and latency at a fixed offered load."""
+  from gemjax.serve.http import in_thread, make_app
+
+  bodies = [
+    json.dumps({"requests": [d]}).encode() for d in request_dicts(log, req)
+  ]
+  ctx = multiprocessing.get_context("spawn")
+  total, seconds = bound
+  with (
+    in_thread(
+      make_app(ranker, max_wait_ms=5, max_queue=4 * per_call + 8)
+    ) as url,
+    concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as gen,
+  ):
+    # Warm the path once (connections, the worker thread).
+    gen.submit(_load, url, bodies[:1], 1, 1, 30.0, None).result()
+    lat, codes, el = gen.submit(
+      _load, url, bodies, 2 * per_call, total, seconds, None
+    ).result()
+    sat = len(lat) / el
+    rate = max(sat / 2, 1e-3)
+    lat2, codes2, _ = gen.submit(
+      _load, url, bodies, 2 * per_call, total, seconds, rate
+    ).result()
+  print(
+    f"  http saturation: {sat:.1f} req/s, statuses {codes}; "
+    f"at {rate:.1f} req/s: statuses {codes2}",
+    flush=True,
+  )
+  records.append(
+    common.record(
+      NAME,
+      case,
+      "http",
+      "qps (saturation)",
+      sat,
+      baseline="library",
+      baseline_value=lib_qps,
+      goal=0.85,
+    )
+  )
+  for q in (50, 99):
+    if lat2:
+      records.append(
+        common.record(
+          NAME,
+          case,
+          "http",
+          f"latency_ms p{q} at {rate:.3g} req/s offered",
+          float(np.percentile(lat2, q)) * 1e3,
+          lower_is_better=True,
+        )
+      )
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--smoke", action="store_true", help="CPU dry run")
+  ap.add_argument("--config", default="onetrans_v31")
+  ap.add_argument("--cands", default="100,500,2000")
+  ap.add_argument("--paths", default=",".join(PATHS))
+  ap.add_argument(
+    "--chunk",
+    type=int,
+    default=128,
+    help="candidates per step of the per-candidate path",
+  )
+  ap.add_argument("--no-http", action="store_true")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  if args.smoke:
+    cfg = config_lib.load("smoke", SMOKE)
+    cands = [8, 40]
+    budget = 80
+    common.TIMING.update(iters=1, repeats=1, rounds=1)
+    bound, lib_s = (24, 5.0), 0.5
+  else:
+    cfg = config_lib.load(args.config)
+    cands = [int(c) for c in args.cands.split(",")]
+    budget = 2000
+    bound, lib_s = (2000, 20.0), 5.0
+  cfg = _one_device(cfg)
+  model_def, params = build(cfg, cfg.train.seed)
+  params = jax.device_put(params, jax.devices()[0])
+  paths = args.paths.split(",")
+  records = []
+  for block, n in enumerate(cands):
+    per_call = max(1, budget // n)
+    case = (
+      f"{n} cands/request, {per_call} requests/call, "
+      f"log-normal histories <= {cfg.data.max_seq_len}"
+    )
+    print(case, flush=True)
+    rankers = {
+      p: Ranker.from_params(
+        cfg,
+        params,
+        model_def,
+        shapes=((per_call, per_call * n, n),),
+        path=p,
+        chunk=args.chunk,
+      )
+      for p in paths
+    }
+    log, req = make_requests(cfg, 4 * per_call, n, block)
+    t = time.perf_counter()
+    for r in rankers.values():
+      r.warmup()
+    print(
+      f"  compiled {len(rankers)} programs in {time.perf_counter() - t:.1f} s",
+      flush=True,
+    )
+    device_figures(rankers, log, req, case, per_call, records)
+    if "m_falcon" in rankers:
+      lib = library_qps(rankers["m_falcon"], log, req, lib_s)
+      records.append(
+        common.record(
+          NAME,
+          case,
+          "library (m_falcon)",
+          "qps (end to end, one host thread)",
+          lib,
+        )
+      )
+      if not args.no_http:
+        http_figures(
+          rankers["m_falcon"], log, req, case, lib, per_call, bound, records
+        )
+  common.write_results(NAME, records, args.out, dry_run=args.smoke)
+
+
+if __name__ == "__main__":
+  main()
