@@ -292,6 +292,11 @@ def main(argv=None):
     help="candidates per step of the per-candidate path",
   )
   ap.add_argument("--no-http", action="store_true")
+  ap.add_argument(
+    "--http-bound",
+    default=None,
+    help="REQUESTS,SECONDS per HTTP load run (default 2000,20; smoke 24,5)",
+  )
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   if args.smoke:
@@ -305,6 +310,9 @@ def main(argv=None):
     cands = [int(c) for c in args.cands.split(",")]
     budget = 2000
     bound, lib_s = (2000, 20.0), 5.0
+  if args.http_bound:
+    n, sec = args.http_bound.split(",")
+    bound = (int(n), float(sec))
   cfg = _one_device(cfg)
   model_def, params = build(cfg, cfg.train.seed)
   params = jax.device_put(params, jax.devices()[0])

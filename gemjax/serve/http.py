@@ -168,7 +168,7 @@ class Batcher:
     self.ranker = ranker
     self.max_wait = max_wait_ms / 1000
     self.max_queue = max_queue
-    self.budget = max(b.cands * b.requests for b in ranker.buckets)
+    self.budget = max(b.cands for b in ranker.buckets)
     self.queue: collections.deque[_Job] = collections.deque()
     self.cv = threading.Condition()
     self.metrics = Metrics()

@@ -361,11 +361,16 @@ class Ranker:
     """Training's structures (any number of requests over one log) ->
     per request, probabilities `[n_cands, tasks]` (float32)."""
     out = np.zeros((len(req.cand_item), len(self.tasks)), np.float32)
+    # Every program call is dispatched before any result is read, so the
+    # host packs batch i + 1 while the device runs batch i.
+    running = []
     for bucket, batch, rows in self.batches(log, req):
-      out[rows] = np.asarray(self.run(bucket, batch))[: rows.size]
+      running.append((self.run(bucket, batch), rows))
       if self.on_batch is not None:
         n_req = int(np.count_nonzero(np.diff(batch.cand_offsets)))
         self.on_batch(bucket, n_req, rows.size)
+    for probs, rows in running:
+      out[rows] = np.asarray(probs)[: rows.size]
     return np.split(out, np.asarray(req.cand_offsets[1:-1]))
 
 
