@@ -8,8 +8,8 @@ The model is `onetrans_v31` (d_model 512, 7 SeqFormer layers, GQA 8/2,
 bf16) with random weights: speed does not depend on training. Requests are
 the synthetic 2K traffic (log-normal histories, median 1,100 events, cut at
 2,048 by the training builder) with 100, 500 or 2,000 candidates each; a
-program call scores `max(1, 2000 // candidates)` requests (one capacity
-bucket per case).
+program call scores up to `max(1, 2000 // candidates)` requests (one
+capacity bucket per case, its history rows 1.25x the mean of a full call).
 
 Figures, per candidate count:
 1. Device QPS and latency of one program call for the three cross-attention
@@ -325,12 +325,17 @@ def main(argv=None):
       f"log-normal histories <= {cfg.data.max_seq_len}"
     )
     print(case, flush=True)
+    # Tokens: 1.25x the mean built history of a call, at least one full
+    # history (the bucket's stage-1 rows; a call that would overflow them
+    # leaves requests to the next call).
+    mean = cfg.data.expected_tokens_per_request()
+    tokens = max(cfg.data.max_seq_len, int(1.25 * per_call * mean))
     rankers = {
       p: Ranker.from_params(
         cfg,
         params,
         model_def,
-        shapes=((per_call, per_call * n, n),),
+        shapes=((per_call, per_call * n, n, tokens),),
         path=p,
         chunk=args.chunk,
       )

@@ -18,10 +18,10 @@ def _shapes(text: str):
     )
   except ValueError:
     out = ()
-  if not out or any(len(s) not in (2, 3) for s in out):
+  if not out or any(len(s) not in (2, 3, 4) for s in out):
     raise argparse.ArgumentTypeError(
-      f"--shapes {text!r}: expected REQUESTSxCANDIDATES[xPER_REQUEST],... "
-      "e.g. 1x128,8x512x128"
+      f"--shapes {text!r}: expected REQUESTSxCANDIDATES[xPER_REQUEST"
+      "[xTOKENS]],... e.g. 1x128,8x512x128"
     )
   return out
 

@@ -342,9 +342,10 @@ class Ranker:
     ureq = _unit_requests(req, units, len(self.tasks))
     pool = self._build(log, ureq)
     unit_c = [hi - lo for _, lo, hi in units]
+    unit_t = np.diff(pool.offsets).tolist()
     # Output row of each unit's first candidate.
     first = [int(req.cand_offsets[i]) + lo for i, lo, _ in units]
-    for idx, bucket in batching.plan(unit_c, self.buckets):
+    for idx, bucket in batching.plan(unit_c, unit_t, self.buckets):
       batch = bbs.gather(
         [(pool, idx)], bucket.requests, bucket.tokens, bucket.cands
       )
