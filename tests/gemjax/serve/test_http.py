@@ -167,3 +167,39 @@ def test_overload_and_deadline(ranker, dicts):
     m = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
   assert 'gemjax_serve_responses_total{code="503"} 1' in m
   assert 'gemjax_serve_responses_total{code="504"} 1' in m
+
+
+@pytest.mark.slow
+def test_cli_serves_a_run(run_dir, dicts, ranker):
+  """`python -m gemjax.serve http RUN_DIR --port 0`: a real process."""
+  import pathlib
+  import re
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).parents[3]
+  cmd = [sys.executable, "-m", "gemjax.serve", "http", str(run_dir)]
+  cmd += ["--port", "0", "--shapes", ",".join(f"{b}x{c}" for b, c in SHAPES)]
+  proc = subprocess.Popen(
+    cmd, cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+  )
+  try:
+    url, t0 = None, time.monotonic()
+    while url is None and time.monotonic() - t0 < 120:
+      line = proc.stderr.readline()
+      assert line or proc.poll() is None, "server exited"
+      m = re.search(r"running on (http://\S+)", line)
+      url = m and m.group(1)
+    assert url, "no 'running on' line"
+    r = httpx.post(f"{url}/v1/score", json={"requests": dicts}, timeout=60)
+    assert r.status_code == 200
+    got = np.concatenate(
+      [np.stack([s["ctr"], s["cvr"]], 1) for s in r.json()["scores"]]
+    )
+    np.testing.assert_allclose(
+      got, np.concatenate(ranker.score(dicts)), rtol=2e-5, atol=2e-6
+    )
+  finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+    proc.stderr.close()
