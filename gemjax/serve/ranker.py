@@ -11,9 +11,10 @@ Scoring a list of requests (`requests` module for the format):
    their histories are built by `gemjax.data.build` (anti-leakage at the
    request time, dedup, action quota, `max_seq_len` cut, log buckets): the
    same code as training, so served features equal trained ones;
-2. requests with more candidates than the largest bucket are split into
-   chunks; units are packed into batches of the capacity buckets
-   (`batching`);
+2. requests with more candidates than any bucket takes from one request
+   are split into chunks; units are packed into batches of the capacity
+   buckets (`batching`), all of a call's batches dispatched before any
+   result is read;
 3. each batch runs the bucket's compiled scorer: the model's forward
    (`RankingModel.__call__`: stage 1 once per request, then the candidates
    through the cross blocks as one flattened query set per request, O13),
@@ -113,8 +114,10 @@ def _model_program(model_def, max_len, bucket, path, chunk, treedefs):
 class Ranker:
   """Scores requests with one set of parameters on one device.
 
-  `path`: the cross-attention path ("m_falcon", "per_candidate", "padded";
-  see `paths`), `chunk`: candidates per step of the per-candidate path.
+  Built by `from_checkpoint`, `from_params` (whose `path` picks the
+  cross-attention path, "m_falcon" by default, "per_candidate" or "padded",
+  see `paths`; `chunk`: candidates per step of the per-candidate path) or
+  `from_export`.
   """
 
   def __init__(self, cfg, param_leaves, buckets, programs, *, step=None):
@@ -127,7 +130,7 @@ class Ranker:
     self._compiled: dict = {}
     self.compilations = 0
     self.counters: dict[str, int] = {}
-    self._spec_cache: dict = {}
+    self._examples: dict = {}
     # Called after every program run with (bucket, requests, candidates):
     # the HTTP service's batch-fill metric.
     self.on_batch = None
@@ -265,7 +268,7 @@ class Ranker:
   def _example(self, bucket):
     """A batch of the bucket's shapes, from one empty-history request
     built by the real pipeline."""
-    if bucket not in self._spec_cache:
+    if bucket not in self._examples:
       one = {
         "user_row": 0,
         "ts": 0,
@@ -274,10 +277,10 @@ class Ranker:
       }
       log, req = self.parse([one])
       pool = self._build(log, req, counters={})
-      self._spec_cache[bucket] = bbs.gather(
+      self._examples[bucket] = bbs.gather(
         [(pool, [0])], bucket.requests, bucket.tokens, bucket.cands
       )
-    return self._spec_cache[bucket]
+    return self._examples[bucket]
 
   def _batch_spec(self, bucket):
     return [

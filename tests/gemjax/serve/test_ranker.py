@@ -132,3 +132,45 @@ def test_large_requests_split_and_steady_traffic_never_compiles(ranker):
     pick = rng.choice(len(dicts), rng.integers(1, 8), replace=True)
     ranker.score([dicts[i] for i in pick])
   assert ranker.compilations == len(ranker.buckets)
+
+
+def test_config_item_in_checkpoint_is_preferred(run_dir, ranker, tmp_path):
+  """A checkpoint that stores its config as an Orbax JSON item "config"
+  needs no run log; the item wins."""
+  import dataclasses
+
+  import orbax.checkpoint as ocp
+
+  from gemjax import config
+
+  cfg = tiny_config()
+  tr = Trainer.create(cfg, run_dir, devices=jax.devices()[:1])
+  ckpt = Checkpointer(tr.run_dir / "checkpoints")
+  state, data = ckpt.restore(2, tr.abstract_state)
+  ckpt.close()
+  marked = dataclasses.replace(
+    cfg, train=dataclasses.replace(cfg.train, steps=7)
+  )
+  mgr = ocp.CheckpointManager(
+    tmp_path / "run" / "checkpoints",
+    options=ocp.CheckpointManagerOptions(create=True),
+  )
+  mgr.save(
+    5,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      data=ocp.args.JsonSave(data),
+      config=ocp.args.JsonSave(config.to_dict(marked)),
+    ),
+  )
+  mgr.wait_until_finished()
+  mgr.close()
+  got_cfg, step = load_run_config(tmp_path / "run")
+  assert (got_cfg, step) == (marked, 5)
+  other = Ranker.from_checkpoint(tmp_path / "run", shapes=SHAPES)
+  log, req = requests(cfg, 3, block=5)
+  np.testing.assert_allclose(
+    np.concatenate(other.score_log(log, req)),
+    np.concatenate(ranker.score_log(log, req)),
+    **TOL,
+  )
