@@ -20,7 +20,10 @@ Figures, per candidate count:
 2. The library end to end (`Ranker.score_log`: history building on the
    host, packing, the program, results back), requests per second on one
    host thread.
-3. The HTTP service (`gemjax.serve.http`, uvicorn in this process; the load
+3. The history cache (`gemjax.serve.cache`): one request's library
+   latency when its user's encoded history is cached (the next page of a
+   feed) against the same request uncached. No goal (optional in O13).
+4. The HTTP service (`gemjax.serve.http`, uvicorn in this process; the load
    generator is a separate process on localhost, so its JSON encoding does
    not share this interpreter): QPS at saturation (closed loop, several
    clients) against the library's (goal: >= 0.85x), and latency p50/p99 at
@@ -91,7 +94,7 @@ def make_requests(cfg, r: int, n_cands: int, block: int):
 def device_figures(rankers, log, req, case, per_call, records):
   """Figure 1: every path's program on the same device batches."""
   sets = []
-  for bucket, batch, _ in rankers["m_falcon"].batches(log, req):
+  for bucket, batch, _, _ in rankers["m_falcon"].batches(log, req):
     if (
       len(sets) < 2
       and int(np.count_nonzero(np.diff(batch.cand_offsets))) == per_call
@@ -148,6 +151,37 @@ def device_figures(rankers, log, req, case, per_call, records):
       )
     )
   return qps
+
+
+def cache_figures(ranker, log, req, case, records, reps: int):
+  """Figure 4: one request's library latency with its encoded history
+  cached (a repeated user: the next page) against the same request
+  uncached (stage 1 runs, its rows are copied into the cache)."""
+  one = req.take([0])
+  ranker.score_log(log, one)  # warm both paths
+  ranker.score_log(log, one)
+  miss, hit = [], []
+  for _ in range(reps):
+    ranker.cache.entries.clear()
+    ranker.cache.bytes = 0
+    t0 = time.perf_counter()
+    ranker.score_log(log, one)
+    miss.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ranker.score_log(log, one)
+    hit.append(time.perf_counter() - t0)
+  records.append(
+    common.record(
+      NAME,
+      case,
+      "library, history cached",
+      "latency_ms (one request)",
+      float(np.median(hit)) * 1e3,
+      baseline="library, not cached",
+      baseline_value=float(np.median(miss)) * 1e3,
+      lower_is_better=True,
+    )
+  )
 
 
 def library_qps(ranker, log, req, seconds: float) -> float:
@@ -292,6 +326,7 @@ def main(argv=None):
     help="candidates per step of the per-candidate path",
   )
   ap.add_argument("--no-http", action="store_true")
+  ap.add_argument("--no-cache", action="store_true")
   ap.add_argument(
     "--http-bound",
     default=None,
@@ -361,6 +396,16 @@ def main(argv=None):
           lib,
         )
       )
+      if not args.no_cache:
+        cached = Ranker.from_params(
+          cfg,
+          params,
+          model_def,
+          shapes=((per_call, per_call * n, n, tokens),),
+          cache_bytes=1 << 30,
+        )
+        cached.warmup()
+        cache_figures(cached, log, req, case, records, 3 if args.smoke else 20)
       if not args.no_http and _http_stack():
         http_figures(
           rankers["m_falcon"], log, req, case, lib, per_call, bound, records

@@ -177,11 +177,22 @@ class RankingModel(nnx.Module):
     )
 
   def __call__(
-    self, batch, *, max_len: int, max_cands: int, key=None, cross_op=None
+    self,
+    batch,
+    *,
+    max_len: int,
+    max_cands: int,
+    key=None,
+    cross_op=None,
+    encoded=None,
   ):
     """One (unstacked) `JaggedBatch` -> logits `[c, tasks]` (f32)."""
     feats = self.features(
-      batch, max_len=max_len, max_cands=max_cands, cross_op=cross_op
+      batch,
+      max_len=max_len,
+      max_cands=max_cands,
+      cross_op=cross_op,
+      encoded=encoded,
     )
     if self.dhen is not None:
       feats = self.dhen(feats)
@@ -191,24 +202,15 @@ class RankingModel(nnx.Module):
     """Candidate features `[c, 2*d_model + emb_dim]` -> logits `[c, tasks]`."""
     return self.heads(feats, dropout=self.cfg.dropout, key=key)
 
-  def features(self, batch, *, max_len: int, max_cands: int, cross_op=None):
-    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`.
-
-    `cross_op` replaces the cross blocks' attention op (`Attention`'s
-    `op`); serving's per-candidate and padded baselines use it.
-    """
+  def encode(self, batch, *, max_len: int):
+    """Stage 1 of one batch: (sequence outputs `[t, d_model]`, user vectors
+    `[b, d_model]`), all that the candidates read of their request."""
     dtype = jnp.dtype(self.cfg.dtype)
-    t, c = batch.token_capacity, batch.cand_capacity
+    t = batch.token_capacity
     tok_valid = jnp.arange(t) < batch.offsets[-1]
     x_td = self.token_proj(self.embeddings.concat(batch.seq, SEQ_FEATURES))
     x_td = jnp.where(tok_valid[:, None], x_td, 0).astype(dtype)
     seq_td = self.seqformer(x_td, batch.offsets, max_len=max_len)
-
-    # Request of each candidate row; rows past the data read request 0 and
-    # are masked out of the loss and metrics.
-    req_c = jnp.minimum(
-      segment_ids(batch.cand_offsets, c), batch.num_requests - 1
-    )
     dense = (
       batch.dense
       if self.num_dense
@@ -217,6 +219,34 @@ class RankingModel(nnx.Module):
     user_bd = self.dense_proj(dense)
     if self.pooling is not None:
       user_bd = user_bd + self.pooling(seq_td, batch.offsets, max_len=max_len)
+    return seq_td, user_bd
+
+  def features(
+    self,
+    batch,
+    *,
+    max_len: int,
+    max_cands: int,
+    cross_op=None,
+    encoded=None,
+  ):
+    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`.
+
+    `cross_op` replaces the cross blocks' attention op (`Attention`'s
+    `op`); serving's per-candidate and padded baselines use it.
+    `encoded`: `encode`'s output for this batch, computed earlier (serving's
+    history cache); None runs stage 1 here.
+    """
+    dtype = jnp.dtype(self.cfg.dtype)
+    c = batch.cand_capacity
+    if encoded is None:
+      encoded = self.encode(batch, max_len=max_len)
+    seq_td, user_bd = encoded
+    # Request of each candidate row; rows past the data read request 0 and
+    # are masked out of the loss and metrics.
+    req_c = jnp.minimum(
+      segment_ids(batch.cand_offsets, c), batch.num_requests - 1
+    )
     cand_emb = self.embeddings.concat(batch.cand, CAND_FEATURES)
     c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
     for blk in self.cross:

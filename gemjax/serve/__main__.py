@@ -50,6 +50,12 @@ def main(argv=None) -> int:
   ht.add_argument("--max-wait-ms", type=float, default=5.0)
   ht.add_argument("--max-queue", type=int, default=64)
   ht.add_argument("--deadline-ms", type=float, default=1000.0)
+  ht.add_argument(
+    "--cache-mb",
+    type=float,
+    default=0.0,
+    help="history cache size (MB); 0 = off",
+  )
   args = p.parse_args(argv)
 
   from gemjax.serve.ranker import Ranker
@@ -64,7 +70,12 @@ def main(argv=None) -> int:
   if args.export:
     ranker = Ranker.from_export(args.export)
   else:
-    ranker = Ranker.from_checkpoint(args.run_dir, args.step, shapes=args.shapes)
+    ranker = Ranker.from_checkpoint(
+      args.run_dir,
+      args.step,
+      shapes=args.shapes,
+      cache_bytes=int(args.cache_mb * 2**20),
+    )
   from gemjax.serve.http import serve
 
   serve(

@@ -125,7 +125,7 @@ class Metrics:
       self.candidates += n_cands
       self.fill.add(n_cands / bucket.cands)
 
-  def render(self, queue_depth: int, compilations: int) -> str:
+  def render(self, queue_depth: int, compilations: int, cache=None) -> str:
     with self.lock:
       now = time.monotonic()
       recent = sum(1 for t in self.done if t >= now - self.window_s)
@@ -157,6 +157,26 @@ class Metrics:
         "# HELP gemjax_serve_compilations_total XLA programs compiled.",
         "# TYPE gemjax_serve_compilations_total counter",
         f"gemjax_serve_compilations_total {compilations}",
+      ]
+    if cache is not None:
+      looked = cache.hits + cache.misses
+      lines += [
+        "# HELP gemjax_serve_cache_hits_total Requests whose encoded "
+        "history was cached.",
+        "# TYPE gemjax_serve_cache_hits_total counter",
+        f"gemjax_serve_cache_hits_total {cache.hits}",
+        "# TYPE gemjax_serve_cache_misses_total counter",
+        f"gemjax_serve_cache_misses_total {cache.misses}",
+        "# TYPE gemjax_serve_cache_hit_rate gauge",
+        f"gemjax_serve_cache_hit_rate {cache.hits / max(looked, 1)}",
+        "# TYPE gemjax_serve_cache_bytes gauge",
+        f"gemjax_serve_cache_bytes {cache.bytes}",
+        "# TYPE gemjax_serve_cache_evictions_total counter",
+        f"gemjax_serve_cache_evictions_total {cache.evictions}",
+        "# HELP gemjax_serve_cache_saved_seconds_total Stage-1 time not "
+        "spent: per all-hit batch, its bucket's last measured stage 1.",
+        "# TYPE gemjax_serve_cache_saved_seconds_total counter",
+        f"gemjax_serve_cache_saved_seconds_total {cache.saved_s}",
       ]
     return "\n".join(lines) + "\n"
 
@@ -349,7 +369,9 @@ def make_app(ranker, *, max_wait_ms=5.0, max_queue=64, deadline_ms=1000.0):
 
   async def metrics(request):
     return PlainTextResponse(
-      batcher.metrics.render(batcher.depth(), ranker.compilations),
+      batcher.metrics.render(
+        batcher.depth(), ranker.compilations, ranker.cache
+      ),
       media_type="text/plain; version=0.0.4",
     )
 

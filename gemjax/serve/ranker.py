@@ -27,6 +27,7 @@ program only ever runs its own shapes, so nothing recompiles afterwards.
 
 import json
 import pathlib
+import time
 
 import jax
 import numpy as np
@@ -35,6 +36,7 @@ from gemjax import config as config_lib
 from gemjax.data import bbs, build
 from gemjax.data.events import Requests, ranges
 from gemjax.serve import batching
+from gemjax.serve.cache import HistoryCache, fingerprint
 from gemjax.serve.requests import (
   PLACEHOLDER,
   parse_request,
@@ -92,23 +94,37 @@ def _one_device(cfg):
   return dataclasses.replace(cfg, mesh=mesh)
 
 
-def _model_program(model_def, max_len, bucket, path, chunk, treedefs):
-  """The flat scorer of one bucket: (param leaves, batch leaves) -> probs
-  `[c, tasks]` (f32), i.e. `eval_step` on one unstacked batch."""
+def _model_program(model_def, max_len, bucket, path, chunk, treedefs, kind):
+  """A flat program of one bucket, by `kind`:
+  "score": (param leaves, batch leaves) -> probs `[c, tasks]` (f32), i.e.
+  `eval_step` on one unstacked batch; "encode": -> stage 1's (sequence
+  rows, user vectors); "cross": (param leaves, batch leaves, sequence
+  rows, user vectors) -> probs (stage 2 on a cached stage 1)."""
   from gemjax.serve.paths import cross_op
 
   op = cross_op(path, chunk)
   params_def, batch_def = treedefs
 
-  def probs(param_leaves, batch_leaves):
+  def bind(param_leaves, batch_leaves):
     model = model_def.bind(jax.tree.unflatten(params_def, param_leaves))
-    batch = jax.tree.unflatten(batch_def, batch_leaves)
+    return model, jax.tree.unflatten(batch_def, batch_leaves)
+
+  def probs(param_leaves, batch_leaves, seq_td=None, user_bd=None):
+    model, batch = bind(param_leaves, batch_leaves)
     logits = model(
-      batch, max_len=max_len, max_cands=bucket.request_cands, cross_op=op
+      batch,
+      max_len=max_len,
+      max_cands=bucket.request_cands,
+      cross_op=op,
+      encoded=None if seq_td is None else (seq_td, user_bd),
     )
     return jax.nn.sigmoid(logits)
 
-  return probs
+  def encode(param_leaves, batch_leaves):
+    model, batch = bind(param_leaves, batch_leaves)
+    return model.encode(batch, max_len=max_len)
+
+  return {"score": probs, "cross": probs, "encode": encode}[kind]
 
 
 class Ranker:
@@ -134,6 +150,9 @@ class Ranker:
     # Called after every program run with (bucket, requests, candidates):
     # the HTTP service's batch-fill metric.
     self.on_batch = None
+    self.cache = None  # HistoryCache of encoded histories, if enabled
+    self._encode_s: dict = {}  # last measured stage-1 seconds per bucket
+    self._encoded_spec: dict = {}  # stage 1's output shapes per bucket
 
   # -- Construction ---------------------------------------------------------
 
@@ -146,10 +165,12 @@ class Ranker:
     shapes=batching.DEFAULT_SHAPES,
     path: str = "m_falcon",
     chunk: int = 128,
+    cache_bytes: int = 0,
     device=None,
   ):
     """Restore a training run's parameters (Orbax, the trainer's abstract
-    state, on one device) and its config."""
+    state, on one device) and its config. `cache_bytes` > 0 keeps encoded
+    histories for repeated requests (`cache`)."""
     from gemjax.train.checkpoint import Checkpointer
     from gemjax.train.loop import Trainer
 
@@ -170,6 +191,7 @@ class Ranker:
       shapes=shapes,
       path=path,
       chunk=chunk,
+      cache_bytes=cache_bytes,
       step=step,
     )
 
@@ -183,6 +205,7 @@ class Ranker:
     shapes=batching.DEFAULT_SHAPES,
     path: str = "m_falcon",
     chunk: int = 128,
+    cache_bytes: int = 0,
     step=None,
   ):
     """A ranker of parameters already in memory (`state.build`'s
@@ -191,14 +214,17 @@ class Ranker:
     buckets = batching.make_buckets(shapes, cfg.data.max_seq_len)
     ranker = cls(cfg, leaves, buckets, None, step=step)
     batch_def = jax.tree.structure(ranker._example(buckets[0]))
-    ranker._make = lambda b: _model_program(
+    ranker._make = lambda b, kind="score": _model_program(
       model_def,
       cfg.data.max_seq_len,
       b,
       path,
       chunk,
       (params_def, batch_def),
+      kind,
     )
+    if cache_bytes:
+      ranker.cache = HistoryCache(cache_bytes)
     return ranker
 
   @classmethod
@@ -218,7 +244,9 @@ class Ranker:
     buckets = tuple(batching.Bucket(**b) for b in man["buckets"])
     files = dict(zip([b.name for b in buckets], man["files"], strict=True))
 
-    def program(bucket):
+    def program(bucket, kind="score"):
+      if kind != "score":
+        raise ValueError("an exported ranker has no history cache")
       blob = (out_dir / files[bucket.name]).read_bytes()
       return jax_export.deserialize(bytearray(blob)).call
 
@@ -288,24 +316,28 @@ class Ranker:
       for x in jax.tree.leaves(self._example(bucket))
     ]
 
-  def program(self, bucket):
-    """The bucket's compiled scorer (compiled on first use)."""
-    if bucket not in self._compiled:
-      specs = [
+  def program(self, bucket, kind: str = "score"):
+    """The bucket's compiled program (compiled on first use): "score", or
+    with the history cache "encode" and "cross" (`_model_program`)."""
+    if (bucket, kind) not in self._compiled:
+      params = [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         for x in self.param_leaves
       ]
-      fn = jax.jit(self._make(bucket))
-      self._compiled[bucket] = fn.lower(
-        specs, self._batch_spec(bucket)
-      ).compile()
+      args = [params, self._batch_spec(bucket)]
+      if kind == "cross":
+        args += list(jax.eval_shape(self._make(bucket, "encode"), *args))
+      fn = jax.jit(self._make(bucket, kind))
+      self._compiled[bucket, kind] = fn.lower(*args).compile()
       self.compilations += 1
-    return self._compiled[bucket]
+    return self._compiled[bucket, kind]
 
   def warmup(self) -> None:
     """Compile every bucket now, so that traffic never waits on XLA."""
+    kinds = ("encode", "cross") if self.cache is not None else ("score",)
     for b in self.buckets:
-      self.program(b)
+      for kind in kinds:
+        self.program(b, kind)
 
   # -- Scoring -----------------------------------------------------------
 
@@ -336,9 +368,10 @@ class Ranker:
     return build.assemble(req, offsets, cols, seg, self.cfg.data)
 
   def batches(self, log, req: Requests):
-    """Yield (bucket, batch, rows) for the requests: the packed jagged
-    batch of each program call, and the output rows (candidate positions
-    of `req`) that its first `len(rows)` candidate rows score."""
+    """Yield (bucket, batch, rows, keys) for the requests: the packed
+    jagged batch of each program call, the output rows (candidate positions
+    of `req`) that its first `len(rows)` candidate rows score, and with the
+    history cache each request's cache key (else None)."""
     counts = np.diff(req.cand_offsets)
     max_c = max(b.request_cands for b in self.buckets)
     units = batching.split_units(counts, max_c)
@@ -355,11 +388,50 @@ class Ranker:
       rows = ranges(
         [first[u] for u in idx], [first[u] + unit_c[u] for u in idx]
       )
-      yield bucket, batch, rows
+      keys = None
+      if self.cache is not None:
+        o = pool.offsets
+        keys = [
+          fingerprint(
+            pool.user_id[u],
+            {k: v[o[u] : o[u + 1]] for k, v in pool.seq.items()},
+            pool.dense[u],
+          )
+          for u in idx
+        ]
+      yield bucket, batch, rows, keys
 
   def run(self, bucket, batch):
     """One program call: probabilities `[c, tasks]` on the device."""
     return self.program(bucket)(self.param_leaves, jax.tree.leaves(batch))
+
+  def _run_cached(self, bucket, batch, keys):
+    """One call through the history cache: when every request of the
+    batch is cached, stage 2 only, on the cached rows; else stage 1 on the
+    batch, its rows cached, then stage 2."""
+    leaves = jax.tree.leaves(batch)
+    o = np.asarray(batch.offsets)
+    hits = self.cache.get_all(keys)
+    if hits is not None:
+      if bucket not in self._encoded_spec:
+        self._encoded_spec[bucket] = jax.eval_shape(
+          self._make(bucket, "encode"), self.param_leaves, leaves
+        )
+      spec = self._encoded_spec[bucket]
+      seq = np.zeros(spec[0].shape, spec[0].dtype)
+      user = np.zeros(spec[1].shape, spec[1].dtype)
+      for j, (s, u) in enumerate(hits):
+        seq[o[j] : o[j + 1]] = s
+        user[j] = u
+      self.cache.saved_s += self._encode_s.get(bucket, 0.0)
+      return self.program(bucket, "cross")(self.param_leaves, leaves, seq, user)
+    t0 = time.perf_counter()
+    seq, user = self.program(bucket, "encode")(self.param_leaves, leaves)
+    seq_h, user_h = np.asarray(seq), np.asarray(user)
+    self._encode_s[bucket] = time.perf_counter() - t0
+    for j, k in enumerate(keys):
+      self.cache.put(k, seq_h[o[j] : o[j + 1]].copy(), user_h[j].copy())
+    return self.program(bucket, "cross")(self.param_leaves, leaves, seq, user)
 
   def score_log(self, log, req: Requests) -> list[np.ndarray]:
     """Training's structures (any number of requests over one log) ->
@@ -368,8 +440,12 @@ class Ranker:
     # Every program call is dispatched before any result is read, so the
     # host packs batch i + 1 while the device runs batch i.
     running = []
-    for bucket, batch, rows in self.batches(log, req):
-      running.append((self.run(bucket, batch), rows))
+    for bucket, batch, rows, keys in self.batches(log, req):
+      if keys is None:
+        probs = self.run(bucket, batch)
+      else:
+        probs = self._run_cached(bucket, batch, keys)
+      running.append((probs, rows))
       if self.on_batch is not None:
         n_req = int(np.count_nonzero(np.diff(batch.cand_offsets)))
         self.on_batch(bucket, n_req, rows.size)

@@ -32,6 +32,7 @@ def test_serve_benchmark_smoke(tmp_path):
     ("library (m_falcon)", "qps (end to end, one host thread)"),
     ("http", "qps (saturation)"),
     ("http", "latency_ms p99"),
+    ("library, history cached", "latency_ms (one request)"),
   ]:
     assert want in metrics, want
   for r in records:
