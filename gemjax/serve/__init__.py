@@ -19,7 +19,8 @@ Three ways to serve (`Ranker`):
 
 Modules: `requests` (format, validation), `batching` (capacity buckets,
 packing, splitting), `paths` (M-Falcon, per-candidate and padded cross
-attention), `ranker`, `http`.
+attention), `cache` (encoded histories of repeated users), `ranker`,
+`http`.
 """
 
 from gemjax.serve.ranker import Ranker, load_run_config
