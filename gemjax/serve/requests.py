@@ -29,6 +29,9 @@ from gemjax.data.events import EventLog, Requests
 HISTORY = ("ts", "item", "category", "action", "price")
 CANDIDATES = ("item", "category", "price")
 PLACEHOLDER = "serve_placeholder"
+# Timestamps are seconds in [0, 2^33) (to the year 2242): the event log
+# keys (user, time) in 64 bits with 33 bits of time (`EventLog._key`).
+MAX_TS = 1 << 33
 
 
 class RequestError(ValueError):
@@ -131,8 +134,10 @@ def parse_request(obj, data_cfg, num_dense: int, where: str = "request"):
       f"{where}.user_row",
       f"{user_row!r} is not a user row in [0, {data_cfg.num_users})",
     )
-  if not _is_int(ts) or ts < 0:
-    raise RequestError(f"{where}.ts", f"{ts!r} is not a time >= 0 (seconds)")
+  if not _is_int(ts) or not 0 <= ts < MAX_TS:
+    raise RequestError(
+      f"{where}.ts", f"{ts!r} is not a time in [0, 2^33) seconds"
+    )
   dense = obj.get("dense", [] if num_dense == 0 else None)
   if not isinstance(dense, (list, tuple)) or len(dense) != num_dense:
     raise RequestError(
@@ -141,7 +146,11 @@ def parse_request(obj, data_cfg, num_dense: int, where: str = "request"):
   for j, x in enumerate(dense):
     if not _is_number(x) or not math.isfinite(x):
       raise RequestError(f"{where}.dense[{j}]", f"{x!r} is not a finite float")
-  tables = {"item": data_cfg.num_items, "category": data_cfg.num_categories}
+  tables = {
+    "item": data_cfg.num_items,
+    "category": data_cfg.num_categories,
+    "ts": MAX_TS,
+  }
   cands = obj["candidates"]
   if not isinstance(cands, dict):
     raise RequestError(f"{where}.candidates", "must be an object of lists")

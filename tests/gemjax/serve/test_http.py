@@ -100,6 +100,10 @@ def bad_bodies(d):
     (edit(["dense"], [1.0]), "requests[1].dense"),
     (edit(["candidates", "category"], [1]), "requests[1].candidates.category"),
     ({"requests": [d], "deadline_ms": -5}, "deadline_ms"),
+    ([d], "body"),
+    (edit(["ts"], 2**63), "requests[1].ts"),
+    (edit(["history", "ts", 0], 10**30), "requests[1].history.ts[0]"),
+    (edit(["history"], [1, 2]), "requests[1].history"),
   ]
 
 
