@@ -222,15 +222,16 @@ class Batcher:
       self.cv.notify()
     return fut
 
-  def _take(self) -> list[_Job]:
+  def _take(self, wait: bool = True) -> list[_Job]:
     """The oldest job and those that arrive within `max_wait` of it, up to
-    the largest bucket's candidate slots."""
+    the largest bucket's candidate slots; with `wait=False` only the jobs
+    already queued (maybe none)."""
     with self.cv:
-      while not self.queue and not self.stopping:
+      while wait and not self.queue and not self.stopping:
         self.cv.wait()
-      if self.stopping:
+      if self.stopping or not self.queue:
         return []
-      until = time.monotonic() + self.max_wait
+      until = time.monotonic() + (self.max_wait if wait else 0.0)
       while (
         sum(j.cands for j in self.queue) < self.budget
         and (left := until - time.monotonic()) > 0
@@ -244,32 +245,59 @@ class Batcher:
       return jobs
 
   def _work(self):
-    while not self.stopping:
-      jobs = self._take()
-      now = time.monotonic()
-      live = []
-      for j in jobs:
-        # A handler that stopped waiting cancelled its future: skip it.
-        if not j.future.set_running_or_notify_cancel():
-          continue
-        if j.deadline < now:
-          j.future.set_exception(DeadlineExceeded())
-        else:
-          live.append(j)
-      if not live:
+    """Take jobs, dispatch their program calls, and deliver the previous
+    jobs' results only then: the host builds batch k + 1 while the device
+    runs batch k. With calls in flight, jobs already queued are taken
+    without waiting for more."""
+    pending = None  # (jobs, results function) in flight
+    while True:
+      jobs = self._take(wait=pending is None)
+      if not jobs and pending is None and self.stopping:
+        return
+      live = self._live(jobs)
+      started = None
+      if live:
+        try:
+          parsed = [p for j in live for p in j.parsed]
+          log, req = to_log_and_requests(parsed, len(self.ranker.tasks))
+          started = (live, self.ranker.dispatch(log, req))
+        except Exception as e:  # answered 500 by each handler
+          _fail(live, e)
+      if pending is not None:
+        _deliver(*pending)
+      pending = started
+
+  @staticmethod
+  def _live(jobs):
+    """Jobs still wanted: not given up by their handler, deadline ahead."""
+    now = time.monotonic()
+    live = []
+    for j in jobs:
+      # A handler that stopped waiting cancelled its future: skip it.
+      if not j.future.set_running_or_notify_cancel():
         continue
-      try:
-        parsed = [p for j in live for p in j.parsed]
-        log, req = to_log_and_requests(parsed, len(self.ranker.tasks))
-        probs = self.ranker.score_log(log, req)
-      except Exception as e:  # answered 500 by each handler; keep serving
-        for j in live:
-          j.future.set_exception(e)
-        continue
-      k = 0
-      for j in live:
-        j.future.set_result(probs[k : k + len(j.parsed)])
-        k += len(j.parsed)
+      if j.deadline < now:
+        j.future.set_exception(DeadlineExceeded())
+      else:
+        live.append(j)
+    return live
+
+
+def _fail(jobs, e):
+  for j in jobs:
+    j.future.set_exception(e)
+
+
+def _deliver(jobs, results):
+  try:
+    probs = results()
+  except Exception as e:  # answered 500 by each handler; keep serving
+    _fail(jobs, e)
+    return
+  k = 0
+  for j in jobs:
+    j.future.set_result(probs[k : k + len(j.parsed)])
+    k += len(j.parsed)
 
 
 def _error(status: int, message: str, field: str | None = None, headers=None):

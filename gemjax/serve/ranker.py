@@ -436,9 +436,14 @@ class Ranker:
   def score_log(self, log, req: Requests) -> list[np.ndarray]:
     """Training's structures (any number of requests over one log) ->
     per request, probabilities `[n_cands, tasks]` (float32)."""
-    out = np.zeros((len(req.cand_item), len(self.tasks)), np.float32)
-    # Every program call is dispatched before any result is read, so the
-    # host packs batch i + 1 while the device runs batch i.
+    return self.dispatch(log, req)()
+
+  def dispatch(self, log, req: Requests):
+    """Build, pack and dispatch every program call of the requests, and
+    return a function that waits for the results (`score_log`'s). Every
+    call is dispatched before any result is read, so the host packs batch
+    i + 1 while the device runs batch i, and a caller (the HTTP worker)
+    can build its next requests before it collects these."""
     running = []
     for bucket, batch, rows, keys in self.batches(log, req):
       if keys is None:
@@ -449,9 +454,15 @@ class Ranker:
       if self.on_batch is not None:
         n_req = int(np.count_nonzero(np.diff(batch.cand_offsets)))
         self.on_batch(bucket, n_req, rows.size)
-    for probs, rows in running:
-      out[rows] = np.asarray(probs)[: rows.size]
-    return np.split(out, np.asarray(req.cand_offsets[1:-1]))
+    n, splits = len(req.cand_item), np.asarray(req.cand_offsets[1:-1])
+
+    def results() -> list[np.ndarray]:
+      out = np.zeros((n, len(self.tasks)), np.float32)
+      for probs, rows in running:
+        out[rows] = np.asarray(probs)[: rows.size]
+      return np.split(out, splits)
+
+    return results
 
 
 def _unit_requests(req: Requests, units, num_tasks: int) -> Requests:
