@@ -33,6 +33,7 @@ Figures, per candidate count:
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -249,6 +250,18 @@ def _load(url, bodies, concurrency, total, seconds, rate):
   return lat, codes, time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _restore_env(saved: dict):
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
 def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
   """Figure 3: saturation QPS and latency at a fixed offered load."""
   from gemjax.serve.http import in_thread, make_app
@@ -258,11 +271,16 @@ def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
   ]
   ctx = multiprocessing.get_context("spawn")
   total, seconds = bound
+  # The generator imports this module, so JAX too: keep it off the GPU
+  # that this process holds (the child inherits the environment).
+  env = {k: os.environ.get(k) for k in ("JAX_PLATFORMS",)}
+  os.environ["JAX_PLATFORMS"] = "cpu"
   with (
     in_thread(
       make_app(ranker, max_wait_ms=5, max_queue=4 * per_call + 8)
     ) as url,
     concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as gen,
+    _restore_env(env),
   ):
     # Warm the path once (connections, the worker thread).
     gen.submit(_load, url, bodies[:1], 1, 1, 30.0, None).result()
