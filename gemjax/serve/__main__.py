@@ -68,6 +68,8 @@ def main(argv=None) -> int:
   if (args.run_dir is None) == (args.export is None):
     p.error("http: give RUN_DIR or --export OUT_DIR (one of them)")
   if args.export:
+    if args.cache_mb:
+      p.error("http --export: the history cache needs the checkpoint")
     ranker = Ranker.from_export(args.export)
   else:
     ranker = Ranker.from_checkpoint(
