@@ -106,8 +106,14 @@ class Attention(nnx.Module):
     q_pos=None,
     kv_pos=None,
     rope_theta: float = 10_000.0,
+    op=None,
   ):
-    """`x_q [t, d]`, `x_kv [s, d]` -> `[t, d]`; positions enable RoPE."""
+    """`x_q [t, d]`, `x_kv [s, d]` -> `[t, d]`; positions enable RoPE.
+
+    `op`: a softmax attention with `jagged_attention`'s signature that
+    replaces the configured one (serving compares the per-candidate and
+    padded paths with M-Falcon through it, same weights, same projections).
+    """
     t, s = x_q.shape[0], x_kv.shape[0]
     q_tnh = self.q(x_q).reshape(t, self.n, self.h)
     k_skh = self.k_proj(x_kv).reshape(s, self.k, self.h)
@@ -148,7 +154,20 @@ class Attention(nnx.Module):
         rope_reference(q_tnh, q_pos, rope_theta),
         rope_reference(k_skh, kv_pos, rope_theta),
       )
-    if self.kind == "gdpa":
+    if op is not None:
+      if self.kind != "softmax":
+        raise ValueError(f"an attention op replaces softmax, not {self.kind}")
+      o_tnh = op(
+        q_tnh,
+        k_skh,
+        v_skh,
+        q_offsets,
+        kv_offsets,
+        causal=causal,
+        max_len_q=max_len_q,
+        max_len_kv=max_len_kv,
+      )
+    elif self.kind == "gdpa":
       if causal:
         raise ValueError("gdpa attention is not causal")
       o_tnh = pallas_kernels.gdpa(

@@ -44,7 +44,7 @@ class CrossBlock(Block):
   """Candidates attend to their request's sequence, then an FFN."""
 
   def __call__(
-    self, c_cd, seq_td, cand_offsets, offsets, *, max_cands, max_len
+    self, c_cd, seq_td, cand_offsets, offsets, *, max_cands, max_len, op=None
   ):
     c_cd = c_cd + self.attn(
       self.attn_norm(c_cd),
@@ -53,6 +53,7 @@ class CrossBlock(Block):
       offsets,
       max_len_q=max_cands,
       max_len_kv=max_len,
+      op=op,
     )
     return c_cd + self.ffn(self.ffn_norm(c_cd))
 
@@ -175,9 +176,24 @@ class RankingModel(nnx.Module):
       else None
     )
 
-  def __call__(self, batch, *, max_len: int, max_cands: int, key=None):
+  def __call__(
+    self,
+    batch,
+    *,
+    max_len: int,
+    max_cands: int,
+    key=None,
+    cross_op=None,
+    encoded=None,
+  ):
     """One (unstacked) `JaggedBatch` -> logits `[c, tasks]` (f32)."""
-    feats = self.features(batch, max_len=max_len, max_cands=max_cands)
+    feats = self.features(
+      batch,
+      max_len=max_len,
+      max_cands=max_cands,
+      cross_op=cross_op,
+      encoded=encoded,
+    )
     if self.dhen is not None:
       feats = self.dhen(feats)
     return self.head(feats, key=key)
@@ -186,20 +202,15 @@ class RankingModel(nnx.Module):
     """Candidate features `[c, 2*d_model + emb_dim]` -> logits `[c, tasks]`."""
     return self.heads(feats, dropout=self.cfg.dropout, key=key)
 
-  def features(self, batch, *, max_len: int, max_cands: int):
-    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`."""
+  def encode(self, batch, *, max_len: int):
+    """Stage 1 of one batch: (sequence outputs `[t, d_model]`, user vectors
+    `[b, d_model]`), all that the candidates read of their request."""
     dtype = jnp.dtype(self.cfg.dtype)
-    t, c = batch.token_capacity, batch.cand_capacity
+    t = batch.token_capacity
     tok_valid = jnp.arange(t) < batch.offsets[-1]
     x_td = self.token_proj(self.embeddings.concat(batch.seq, SEQ_FEATURES))
     x_td = jnp.where(tok_valid[:, None], x_td, 0).astype(dtype)
     seq_td = self.seqformer(x_td, batch.offsets, max_len=max_len)
-
-    # Request of each candidate row; rows past the data read request 0 and
-    # are masked out of the loss and metrics.
-    req_c = jnp.minimum(
-      segment_ids(batch.cand_offsets, c), batch.num_requests - 1
-    )
     dense = (
       batch.dense
       if self.num_dense
@@ -208,6 +219,34 @@ class RankingModel(nnx.Module):
     user_bd = self.dense_proj(dense)
     if self.pooling is not None:
       user_bd = user_bd + self.pooling(seq_td, batch.offsets, max_len=max_len)
+    return seq_td, user_bd
+
+  def features(
+    self,
+    batch,
+    *,
+    max_len: int,
+    max_cands: int,
+    cross_op=None,
+    encoded=None,
+  ):
+    """One (unstacked) `JaggedBatch` -> candidate features `[c, D]`.
+
+    `cross_op` replaces the cross blocks' attention op (`Attention`'s
+    `op`); serving's per-candidate and padded baselines use it.
+    `encoded`: `encode`'s output for this batch, computed earlier (serving's
+    history cache); None runs stage 1 here.
+    """
+    dtype = jnp.dtype(self.cfg.dtype)
+    c = batch.cand_capacity
+    if encoded is None:
+      encoded = self.encode(batch, max_len=max_len)
+    seq_td, user_bd = encoded
+    # Request of each candidate row; rows past the data read request 0 and
+    # are masked out of the loss and metrics.
+    req_c = jnp.minimum(
+      segment_ids(batch.cand_offsets, c), batch.num_requests - 1
+    )
     cand_emb = self.embeddings.concat(batch.cand, CAND_FEATURES)
     c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
     for blk in self.cross:
@@ -218,6 +257,7 @@ class RankingModel(nnx.Module):
         batch.offsets,
         max_cands=max_cands,
         max_len=max_len,
+        op=cross_op,
       )
     c_cd = self.cand_norm(c_cd)
     item_emb = self.embeddings.lookup("item_id", batch.cand["item_id"])

@@ -1,0 +1,440 @@
+"""Serving benchmark (O13): M-Falcon against the per-candidate path and a
+padded cuDNN batch, and the HTTP service against the library.
+
+  PYTHONPATH=. python benchmarks/serve.py              # GPU, onetrans_v31
+  PYTHONPATH=. python benchmarks/serve.py --smoke      # CPU dry run (CI)
+
+The model is `onetrans_v31` (d_model 512, 7 SeqFormer layers, GQA 8/2,
+bf16) with random weights: speed does not depend on training. Requests are
+the synthetic 2K traffic (log-normal histories, median 1,100 events, cut at
+2,048 by the training builder) with 100, 500 or 2,000 candidates each; a
+program call scores up to `max(1, 2000 // candidates)` requests (one
+capacity bucket per case, its history rows 1.25x the mean of a full call).
+
+Figures, per candidate count:
+1. Device QPS and latency of one program call for the three cross-attention
+   paths (`gemjax.serve.paths`: "m_falcon", "per_candidate", "padded"),
+   same weights, same batches, timed in alternation (`common.
+   time_interleaved`). Goal: M-Falcon >= 2.0x the per-candidate QPS (the
+   seed: +97%). The padded cuDNN batch is shown beside it, without goal.
+2. The library end to end (`Ranker.score_log`: history building on the
+   host, packing, the program, results back), requests per second on one
+   host thread.
+3. The history cache (`gemjax.serve.cache`): one request's library
+   latency when its user's encoded history is cached (the next page of a
+   feed) against the same request uncached. No goal (optional in O13).
+4. The HTTP service (`gemjax.serve.http`, uvicorn in this process; the load
+   generator is a separate process on localhost, so its JSON encoding does
+   not share this interpreter): QPS at saturation (closed loop, several
+   clients) against the library's (goal: >= 0.85x), and latency p50/p99 at
+   a fixed offered load of half the saturated QPS. Bounded in requests and
+   seconds.
+"""
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+from benchmarks import smoke
+
+os.environ["XLA_FLAGS"] = smoke.xla_flags(sys.argv)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from gemjax import config as config_lib  # noqa: E402
+from gemjax.data import synthetic  # noqa: E402
+from gemjax.data.events import Requests  # noqa: E402
+from gemjax.serve.paths import PATHS  # noqa: E402
+from gemjax.serve.ranker import Ranker, _one_device  # noqa: E402
+from gemjax.serve.requests import request_dicts  # noqa: E402
+from gemjax.train.state import build  # noqa: E402
+
+NAME = "serve"
+SMOKE = [
+  "model.d_model=32",
+  "model.num_layers=1",
+  "model.num_heads=4",
+  "model.num_kv_heads=2",
+  "model.head_hidden=32",
+  "data.max_seq_len=64",
+  "data.len_median=24",
+  "data.num_items=500",
+  "data.num_categories=20",
+  "data.num_users=400",
+]
+
+
+def make_requests(cfg, r: int, n_cands: int, block: int):
+  """`r` synthetic requests (log-normal histories) with `n_cands`
+  candidates each, drawn from the generator's candidate distribution."""
+  log, req, _ = synthetic.generate_raw(cfg.data, synthetic.EVAL, 0, block, r)
+  rng = np.random.default_rng([7, block, n_cands])
+  pool = len(req.cand_item)
+  pick = rng.integers(0, pool, r * n_cands)
+  req = Requests(
+    user=req.user,
+    ts=req.ts,
+    user_row=req.user_row,
+    dense=req.dense,
+    cand_offsets=np.arange(r + 1, dtype=np.int64) * n_cands,
+    cand_item=req.cand_item[pick],
+    cand_category=req.cand_category[pick],
+    cand_price=req.cand_price[pick],
+    labels=np.zeros((r * n_cands, 2), np.float32),
+  )
+  return log, req
+
+
+def device_figures(rankers, log, req, case, records):
+  """Figure 1: every path's program on the same device batches (the two
+  fullest calls of the requests); returns requests/s by path."""
+  first = next(iter(rankers.values()))
+  packed = sorted(
+    first.batches(log, req),
+    key=lambda p: -int(np.count_nonzero(np.diff(p[1].cand_offsets))),
+  )[:2]
+  per_call = float(
+    np.mean(
+      [np.count_nonzero(np.diff(b.cand_offsets)) for _, b, _, _ in packed]
+    )
+  )
+  sets = [(k, jax.device_put(jax.tree.leaves(b))) for k, b, _, _ in packed]
+  runs = {}
+  for path, r in rankers.items():
+    prog, params = r.program(sets[0][0]), r.param_leaves
+    runs[path] = (
+      lambda *leaves, prog=prog, params=params: prog(params, list(leaves)),
+      [tuple(leaves) for _, leaves in sets],
+    )
+  sec = common.time_interleaved(
+    runs,
+    rounds=common.TIMING["rounds"],
+    calls=common.TIMING["iters"],
+    skip_failures=True,
+  )
+  qps = {p: per_call / s for p, s in sec.items()}
+  for p in sec:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        p,
+        "latency_ms (device, one call)",
+        sec[p] * 1e3,
+        lower_is_better=True,
+      )
+    )
+  if "m_falcon" in qps and "per_candidate" in qps:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        "m_falcon",
+        "qps (device)",
+        qps["m_falcon"],
+        baseline="per_candidate",
+        baseline_value=qps["per_candidate"],
+        goal=2.0,
+      )
+    )
+  if "m_falcon" in qps and "padded" in qps:
+    records.append(
+      common.record(
+        NAME,
+        case,
+        "m_falcon",
+        "qps (device) vs padded",
+        qps["m_falcon"],
+        baseline="padded cuDNN/XLA",
+        baseline_value=qps["padded"],
+      )
+    )
+  return qps
+
+
+def cache_figures(ranker, log, req, case, records, reps: int):
+  """Figure 4: one request's library latency with its encoded history
+  cached (a repeated user: the next page) against the same request
+  uncached (stage 1 runs, its rows are copied into the cache)."""
+  one = req.take([0])
+  ranker.score_log(log, one)  # warm both paths
+  ranker.score_log(log, one)
+  miss, hit = [], []
+  for _ in range(reps):
+    ranker.cache.entries.clear()
+    ranker.cache.bytes = 0
+    t0 = time.perf_counter()
+    ranker.score_log(log, one)
+    miss.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ranker.score_log(log, one)
+    hit.append(time.perf_counter() - t0)
+  records.append(
+    common.record(
+      NAME,
+      case,
+      "library, history cached",
+      "latency_ms (one request)",
+      float(np.median(hit)) * 1e3,
+      baseline="library, not cached",
+      baseline_value=float(np.median(miss)) * 1e3,
+      lower_is_better=True,
+    )
+  )
+
+
+def library_qps(ranker, log, req, seconds: float) -> float:
+  """Figure 2: requests/s of `score_log` end to end, repeated for about
+  `seconds`."""
+  ranker.score_log(log, req)  # warm
+  n, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds or n == 0:
+    ranker.score_log(log, req)
+    n += len(req)
+  return n / (time.perf_counter() - t0)
+
+
+def _load(url, bodies, concurrency, total, seconds, rate):
+  """Load generator (its own process): POST `bodies` round robin; closed
+  loop with `concurrency` clients, or open loop at `rate` requests/s.
+  Returns (latencies s of 200s, statuses, elapsed s)."""
+  import httpx
+
+  lat, codes = [], {}
+  t0 = time.perf_counter()
+  stop = t0 + seconds
+
+  def one(i, client):
+    s = time.perf_counter()
+    r = client.post(
+      f"{url}/v1/score",
+      content=bodies[i % len(bodies)],
+      headers={"content-type": "application/json"},
+      timeout=60.0,
+    )
+    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+    if r.status_code == 200:
+      lat.append(time.perf_counter() - s)
+
+  with (
+    httpx.Client(limits=httpx.Limits(max_connections=concurrency)) as client,
+    concurrent.futures.ThreadPoolExecutor(concurrency) as pool,
+  ):
+    if rate is None:
+      counter = iter(range(total))
+
+      def worker():
+        for i in counter:
+          if time.perf_counter() > stop:
+            return
+          one(i, client)
+
+      list(pool.map(lambda _: worker(), range(concurrency)))
+    else:
+      futs = []
+      for i in range(total):
+        due = t0 + i / rate
+        if due > stop:
+          break
+        time.sleep(max(0.0, due - time.perf_counter()))
+        futs.append(pool.submit(one, i, client))
+      for f in futs:
+        f.result()
+  return lat, codes, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _restore_env(saved: dict):
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
+  """Figure 3: saturation QPS and latency at a fixed offered load."""
+  from gemjax.serve.http import in_thread, make_app
+
+  bodies = [
+    json.dumps({"requests": [d]}).encode() for d in request_dicts(log, req)
+  ]
+  ctx = multiprocessing.get_context("spawn")
+  total, seconds = bound
+  # The generator imports this module, so JAX too: keep it off the GPU
+  # that this process holds (the child inherits the environment).
+  env = {k: os.environ.get(k) for k in ("JAX_PLATFORMS",)}
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  with (
+    in_thread(
+      make_app(ranker, max_wait_ms=5, max_queue=4 * per_call + 8)
+    ) as url,
+    concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as gen,
+    _restore_env(env),
+  ):
+    # Warm the path once (connections, the worker thread).
+    gen.submit(_load, url, bodies[:1], 1, 1, 30.0, None).result()
+    lat, codes, el = gen.submit(
+      _load, url, bodies, 2 * per_call, total, seconds, None
+    ).result()
+    sat = len(lat) / el
+    rate = max(sat / 2, 1e-3)
+    lat2, codes2, _ = gen.submit(
+      _load, url, bodies, 2 * per_call, total, seconds, rate
+    ).result()
+  print(
+    f"  http saturation: {sat:.1f} req/s, statuses {codes}; "
+    f"at {rate:.1f} req/s: statuses {codes2}",
+    flush=True,
+  )
+  records.append(
+    common.record(
+      NAME,
+      case,
+      "http",
+      "qps (saturation)",
+      sat,
+      baseline="library",
+      baseline_value=lib_qps,
+      goal=0.85,
+    )
+  )
+  for q in (50, 99):
+    if lat2:
+      records.append(
+        common.record(
+          NAME,
+          case,
+          "http",
+          f"latency_ms p{q} at {rate:.3g} req/s offered",
+          float(np.percentile(lat2, q)) * 1e3,
+          lower_is_better=True,
+        )
+      )
+
+
+def _http_stack() -> bool:
+  """Whether the `[serve]` extra (and httpx) is installed; without it the
+  HTTP figures are skipped, said so, and the device figures still run."""
+  try:
+    import httpx  # noqa: F401
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+  except ImportError as e:
+    print(f"  http figures skipped: {e}", flush=True)
+    return False
+  return True
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--smoke", action="store_true", help="CPU dry run")
+  ap.add_argument("--config", default="onetrans_v31")
+  ap.add_argument("--cands", default="100,500,2000")
+  ap.add_argument("--paths", default=",".join(PATHS))
+  ap.add_argument(
+    "--chunk",
+    type=int,
+    default=128,
+    help="candidates per step of the per-candidate path",
+  )
+  ap.add_argument("--no-http", action="store_true")
+  ap.add_argument("--no-cache", action="store_true")
+  ap.add_argument(
+    "--http-bound",
+    default=None,
+    help="REQUESTS,SECONDS per HTTP load run (default 2000,20; smoke 24,5)",
+  )
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  if args.smoke:
+    cfg = config_lib.load("smoke", SMOKE)
+    cands = [8, 40]
+    budget = 80
+    common.TIMING.update(iters=1, repeats=1, rounds=1)
+    bound, lib_s = (24, 5.0), 0.5
+  else:
+    cfg = config_lib.load(args.config)
+    cands = [int(c) for c in args.cands.split(",")]
+    budget = 2000
+    bound, lib_s = (2000, 20.0), 5.0
+  if args.http_bound:
+    n, sec = args.http_bound.split(",")
+    bound = (int(n), float(sec))
+  cfg = _one_device(cfg)
+  model_def, params = build(cfg, cfg.train.seed)
+  params = jax.device_put(params, jax.devices()[0])
+  paths = args.paths.split(",")
+  records = []
+  for block, n in enumerate(cands):
+    per_call = max(1, budget // n)
+    case = (
+      f"{n} cands/request, {per_call} requests/call, "
+      f"log-normal histories <= {cfg.data.max_seq_len}"
+    )
+    print(case, flush=True)
+    # Tokens: 1.25x the mean built history of a call, at least one full
+    # history (the bucket's stage-1 rows; a call that would overflow them
+    # leaves requests to the next call).
+    mean = cfg.data.expected_tokens_per_request()
+    tokens = max(cfg.data.max_seq_len, int(1.25 * per_call * mean))
+    rankers = {
+      p: Ranker.from_params(
+        cfg,
+        params,
+        model_def,
+        shapes=((per_call, per_call * n, n, tokens),),
+        path=p,
+        chunk=args.chunk,
+      )
+      for p in paths
+    }
+    log, req = make_requests(cfg, 4 * per_call, n, block)
+    t = time.perf_counter()
+    for r in rankers.values():
+      r.warmup()
+    print(
+      f"  compiled {len(rankers)} programs in {time.perf_counter() - t:.1f} s",
+      flush=True,
+    )
+    device_figures(rankers, log, req, case, records)
+    if "m_falcon" in rankers:
+      lib = library_qps(rankers["m_falcon"], log, req, lib_s)
+      records.append(
+        common.record(
+          NAME,
+          case,
+          "library (m_falcon)",
+          "qps (end to end, one host thread)",
+          lib,
+        )
+      )
+      if not args.no_cache:
+        cached = Ranker.from_params(
+          cfg,
+          params,
+          model_def,
+          shapes=((per_call, per_call * n, n, tokens),),
+          cache_bytes=1 << 30,
+        )
+        cached.warmup()
+        cache_figures(cached, log, req, case, records, 3 if args.smoke else 20)
+      if not args.no_http and _http_stack():
+        http_figures(
+          rankers["m_falcon"], log, req, case, lib, per_call, bound, records
+        )
+  common.write_results(NAME, records, args.out, dry_run=args.smoke)
+
+
+if __name__ == "__main__":
+  main()
