@@ -27,7 +27,7 @@ def get_config() -> Config:
       cross_layers=2,
     ),
     data=DataConfig(
-      source="movielens",
+      source="recbole",
       path="data/ml-100k/ml-100k.inter",
       protocol="temporal",
       num_items=65_536,
@@ -37,8 +37,8 @@ def get_config() -> Config:
       max_cands=12,
       neg_per_request=2,
       requests_per_shard=32,
-      token_capacity=4_096,
-      cand_capacity=448,
+      token_capacity=0,  # derived from the log
+      cand_capacity=0,
     ),
     train=TrainConfig(steps=650, checkpoint_every=650, log_every=25),
   )

@@ -6,6 +6,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.real_data import ml100k_path
+
 NOTEBOOKS = sorted(
   (pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb")
 )
@@ -25,6 +27,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     "--xla_llvm_disable_expensive_passes=true",
   )
   nb = nbformat.read(path, as_version=4)
+  if nb.metadata.get("gemjax", {}).get("needs") == "ml-100k":
+    ml100k_path()  # skips when `make data` has not fetched it
+    monkeypatch.setenv("GEMJAX_NOTEBOOK_QUICK", "1")  # a few steps
   for cell in nb.cells:
     if cell.cell_type == "code":
       assert not cell.outputs, f"{path.name}: commit notebooks without outputs"
