@@ -17,7 +17,9 @@ backward, optimizer) of the same parameters on the same requests:
 - `fp8`: `ours` with `model.fp8=deepseek` (G4).
 - `batchNx`: `ours` on N times the requests per step (N consecutive
   batches of the same traffic packed into one, capacities N times larger).
-- `remat`: `ours` with `train.remat=...` if the config has it.
+- `remat-<policy>`: `ours` with every region checkpointed by `policy`
+  (`dots`, `nothing`: G9); `budget<GB>`: policies chosen under a budget.
+- knobs combine with `+`, e.g. `batch8x+remat-nothing`.
 
 For each: step ms (median over rounds, timed in alternation:
 `common.time_interleaved`), requests/s, real tokens/s, model TFLOP/s
@@ -281,25 +283,44 @@ class Variant:
 
 
 def variant_config(base, name):
-  """(config, requests-per-step factor) of a variant name."""
+  """(config, requests-per-step factor) of a variant name: `padded`,
+  `ours`, or knobs joined by `+`: `fp8`, `batch<N>x`, `remat-<policy>`
+  (every region, `gemjax.model.remat`), `budget<GB>` (a
+  `train.activation_budget_gb`)."""
   if name in ("ours", "padded"):
     return base, 1
-  if name == "fp8":
-    return config_lib.apply_overrides(base, ["model.fp8=deepseek"]), 1
-  m = re.fullmatch(r"batch(\d+)x", name)
-  if m:
-    n = int(m.group(1))
-    d = base.data
-    return dataclasses.replace(
-      base,
-      data=dataclasses.replace(
-        d,
-        requests_per_shard=n * d.requests_per_shard,
-        token_capacity=n * d.token_capacity,
-        cand_capacity=n * d.cand_capacity,
-      ),
-    ), n
-  raise ValueError(f"unknown variant {name!r}: padded, ours, fp8 or batch<N>x")
+  cfg, factor, regions = base, 1, ("input", "seq", "cross", "heads")
+  for knob in name.split("+"):
+    batch = re.fullmatch(r"batch(\d+)x", knob)
+    budget = re.fullmatch(r"budget([\d.]+)", knob)
+    if knob == "fp8":
+      cfg = config_lib.apply_overrides(cfg, ["model.fp8=deepseek"])
+    elif knob.startswith("remat-"):
+      policy = knob.removeprefix("remat-")
+      entries = ",".join(f"{r}={policy}" for r in regions)
+      cfg = config_lib.apply_overrides(cfg, [f"model.remat={entries}"])
+    elif budget:
+      cfg = config_lib.apply_overrides(
+        cfg, [f"train.activation_budget_gb={budget.group(1)}"]
+      )
+    elif batch:
+      factor = int(batch.group(1))
+      d = cfg.data
+      cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(
+          d,
+          requests_per_shard=factor * d.requests_per_shard,
+          token_capacity=factor * d.token_capacity,
+          cand_capacity=factor * d.cand_capacity,
+        ),
+      )
+    else:
+      raise ValueError(
+        f"unknown variant knob {knob!r} in {name!r}: fp8, batch<N>x, "
+        "remat-<policy>, budget<GB> (or the variants padded, ours)"
+      )
+  return cfg, factor
 
 
 def build_variants(base, names, shards, smoke):
@@ -740,7 +761,7 @@ def main():
   common.write_results(NAME, records, args.out, dry_run=smoke)
 
 
-DEFAULT = "padded,ours,fp8,batch4x"
+DEFAULT = "padded,ours,fp8,remat-dots,batch8x,batch8x+remat-nothing"
 
 
 def _real_requests(b) -> int:

@@ -82,6 +82,10 @@ class ModelConfig:
   # Pooled attention (G2): this many learned queries compress each request's
   # history by GDPA into vectors added to the request's user vector; 0 = off.
   pooled_queries: int = 0
+  # G9 activation checkpointing per region (`gemjax.model.remat`): entries
+  # `region=policy`, e.g. ("seq=nothing", "heads=dots"); unnamed regions
+  # save everything. `train.activation_budget_gb` fills in the rest.
+  remat: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name, value, allowed in (
@@ -95,6 +99,9 @@ class ModelConfig:
         raise ValueError(f"{name}={value!r}: one of {allowed}")
     if self.sliding_window < 1 or self.pooled_queries < 0:
       raise ValueError("sliding_window must be >= 1, pooled_queries >= 0")
+    from gemjax.model import remat  # the policy names live with the model
+
+    remat.parse(self.remat)
     if self.fp8 not in FP8_FORMATS:
       raise ValueError(f"fp8={self.fp8!r}: one of {FP8_FORMATS}")
     bad = set(self.fp8_layers) - set(FP8_LAYER_FAMILIES)
@@ -135,6 +142,10 @@ class TrainConfig:
   eval_batches: int = 0  # 0 = the whole held-out set
   run_dir: str = "runs/{config}"
   progress: bool = True  # live progress line on stderr
+  # G9: estimated bytes of saved activations per device allowed; the
+  # regions' checkpoint policies are chosen to fit, recompute saved per GB
+  # first (`gemjax.train.remat`). 0 = off (`model.remat` as given).
+  activation_budget_gb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

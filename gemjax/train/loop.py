@@ -29,6 +29,7 @@ import sharding
 from gemjax import metrics
 from gemjax.data import loader as data_loader
 from gemjax.train import flops as flops_lib
+from gemjax.train import remat as remat_lib
 from gemjax.train import step as step_lib
 from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.optim import make_optimizer
@@ -215,6 +216,12 @@ class Progress:
     self.t0 = self.t_last = time.perf_counter()
     self.step_last = start
     self.samples = self.tokens = self.flops = 0
+    # G9: the checkpoint policies in force, printed now and recorded in
+    # the first `train` record.
+    used = cfg.model.remat or cfg.train.activation_budget_gb > 0
+    self.remat = remat_lib.describe(remat_lib.resolve(cfg)) if used else None
+    if self.remat and enabled:
+      print(self.remat, file=sys.stderr, flush=True)
 
   def add(self, batch) -> None:
     """Count one step's host batch (this process's stacked shards)."""
@@ -239,6 +246,8 @@ class Progress:
       per = multihost_utils.process_allgather(np.float64(dt / steps))
       rates["step_s_max"] = float(np.max(per))
       rates["step_s_mean"] = float(np.mean(per))
+    if self.remat:
+      rates["remat"], self.remat = self.remat, None
     self.t_last, self.step_last = now, step
     self.samples = self.tokens = self.flops = 0
     if self.enabled:
