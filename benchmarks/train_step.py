@@ -673,7 +673,7 @@ def main():
         diff / abs(rows["ours"]["first_loss"]),
         goal=1e-2,
         lower_is_better=True,
-      )  # fmt: skip
+      )
     )
   for name, r in rows.items():
     rec = functools.partial(common.record, NAME, case, name)
@@ -697,6 +697,18 @@ def main():
         rec("local_mfu", r["mfu"], goal=GOAL_MFU if name == "ours" else None)
       )
     records.append(rec("memory_gb", r["memory_gb"], lower_is_better=True))
+  print()
+  hdr = ("variant", "step ms", "req/s", "tok/s", "TFLOP/s", "MFU", "mem GB")
+  print(" | ".join(hdr))
+  for name, r in rows.items():
+    mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+    print(
+      f"{name} | {r['step_ms']:.2f} | {r['requests_per_s']:,.0f} | "
+      f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | "
+      f"{r['memory_gb']:.2f}"
+    )
+  # Saved now and again at the end: a trace that fails keeps these.
+  common.write_results(NAME, records, args.out, dry_run=smoke)
   traces = {}
   on_gpu = jax.default_backend() == "gpu"
   if on_gpu:
@@ -718,7 +730,11 @@ def main():
     if args.out and on_gpu and v.name in ("ours", "padded"):
       keep = os.path.join(args.out, f"trace_{v.name}.json.gz")
     device = "/device:GPU" if on_gpu else "/host:CPU"
-    traces[v.name] = tr = trace_breakdown(v, args.trace_steps, keep, device)
+    try:
+      traces[v.name] = tr = trace_breakdown(v, args.trace_steps, keep, device)
+    except Exception as e:  # noqa: BLE001 - report, trace the others
+      print(f"  {v.name}: trace FAILED: {type(e).__name__}: {e}"[:2000])
+      continue
     # Record the view that leaves the smaller share uncategorized.
     seen = [b for b in tr.values() if b["busy_ms"] > 0]
     if not (on_gpu and seen):
@@ -730,16 +746,6 @@ def main():
           NAME, case, v.name, f"trace_{cat}_ms", ms, lower_is_better=True
         )
       )
-  print()
-  hdr = ("variant", "step ms", "req/s", "tok/s", "TFLOP/s", "MFU", "mem GB")
-  print(" | ".join(hdr))
-  for name, r in rows.items():
-    mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-    print(
-      f"{name} | {r['step_ms']:.2f} | {r['requests_per_s']:,.0f} | "
-      f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | "
-      f"{r['memory_gb']:.2f}"
-    )
   for name, views in traces.items():
     for how, tr in views.items():
       parts = ", ".join(f"{c} {ms:.2f}" for c, ms in tr["ms"].items())

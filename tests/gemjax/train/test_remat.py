@@ -113,3 +113,15 @@ def test_bad_remat_entry_is_named():
   assert model_remat.policy(("seq=dots", "seq1=all"), "seq1") == "all"
   assert model_remat.policy(("seq=dots",), "seq4") == "dots"
   assert model_remat.policy((), "heads") == "all"
+
+
+def test_progress_prints_and_records_the_plan(capsys):
+  from gemjax.train import loop
+
+  cfg = _cfg("train.activation_budget_gb=1e-9")
+  p = loop.Progress(cfg, total=2, start=0, enabled=True)
+  assert "seq0=nothing" in capsys.readouterr().err
+  p.add(_batch(cfg))
+  first, second = p.show(1, 0.5), p.show(2, 0.5)
+  assert "input=nothing" in first["remat"]
+  assert "remat" not in second
