@@ -11,8 +11,8 @@ by counting more.
 What is counted (a multiply-add is 2 FLOPs; legend: `T` real history
 tokens, `C` real candidates, `R` real requests, `d` d_model, `n`/`k` query
 / KV heads, `h` head dim, `f` SwiGLU width, `e` emb_dim):
-- input projections: tokens `2 T (6 e) d`, candidates `2 C (3 e) d`, dense
-  features `2 R num_dense d`;
+- input projections: tokens `2 T (6 e) d` (`input_tokens`), candidates
+  `2 C (3 e) d` and dense features `2 R num_dense d` (`input_other`);
 - each SeqFormer block (as often as `layer_order` applies it): Q/K/V/O
   `2 T d (2 n h + 2 k h)`, SwiGLU `6 T d f`, attention `4 n h` per
   (query, key) pair it computes: `L^2` per sequence of length `L` for
@@ -32,7 +32,9 @@ Norms, RoPE, activations, softmax, embedding gathers and the optimizer are
 not counted (elementwise or memory work; XLA's `cost_analysis` counts
 some of them, a few percent at the model's widths:
 `tests/gemjax/train/test_flops.py` compares). Training is 3x the forward
-(the backward computes two products per forward product).
+(the backward computes two products per forward product). Recompute
+under activation checkpointing is hardware work, not model work:
+`StepFlops.recompute` counts it apart.
 
 Peak: the dense bf16 (and FP8) datasheet figure of the device kind
 (`PEAK_TFLOPS`); MFU is always against the dense bf16 peak, whatever the
@@ -42,10 +44,12 @@ get no peak and no MFU: a made-up peak would make a made-up MFU.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
+from gemjax.model import remat
 from gemjax.model.layers import swiglu_hidden
 
 # Dense (no sparsity) datasheet TFLOP/s of the SXM parts: bf16, fp8.
@@ -81,6 +85,31 @@ class StepFlops:
   @property
   def train(self) -> float:
     return 3.0 * self.forward
+
+  def recompute(self, model_cfg) -> float:
+    """Forward FLOPs the backward pass redoes under `model_cfg.remat`
+    (`gemjax.model.remat`): a `nothing` region its whole forward, a
+    `dots` region its attention. Hardware FLOPs = `train` + this."""
+    p = self.parts
+    policy = functools.partial(remat.policy, model_cfg.remat)
+    depth = len(model_cfg.layer_order or range(model_cfg.num_layers))
+    regions = [
+      (f"seq{j}", p["seq_dense"] / depth, p["seq_attention"] / depth)
+      for j in range(depth)
+    ]
+    regions += [
+      ("cross", p["cross_dense"], p["cross_attention"]),
+      ("input", p["input_tokens"], 0.0),
+      ("heads", p["heads"], 0.0),
+    ]
+    total = 0.0
+    for region, dense, attention in regions:
+      name = policy(region)
+      if name == "nothing":
+        total += dense + attention
+      elif name == "dots":
+        total += attention
+    return total
 
 
 def attention_pairs(
@@ -135,8 +164,8 @@ def step_flops(cfg, batch) -> StepFlops:
   else:
     pairs = attention_pairs(lens, causal=m.causal)
   parts = {
-    "input": 2 * t * len(SEQ_FEATURES) * e * d
-    + 2 * c * len(CAND_FEATURES) * e * d
+    "input_tokens": 2 * t * len(SEQ_FEATURES) * e * d,
+    "input_other": 2 * c * len(CAND_FEATURES) * e * d
     + 2 * r * max(cfg.data.num_dense, 1) * d,
     "seq_dense": depth * t * (qkvo + ffn),
     "seq_attention": depth * 4 * n * h * pairs,

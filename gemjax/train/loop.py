@@ -199,9 +199,11 @@ class Progress:
   Rates are over the steps since the previous `show` (the first interval
   includes compilation). Samples are candidates, tokens real history
   events, FLOPs the model FLOPs of the batches run (`flops.step_flops`,
-  3x forward), all of this process's shards. Local MFU is per device:
-  this process's FLOP/s over its devices' dense bf16 peak
-  (`flops.device_peak`); a device without a known peak (CPU) gets none.
+  3x forward), all of this process's shards; with activation
+  checkpointing, hardware TFLOP/s (recompute included) beside them.
+  Local MFU is per device: this process's FLOP/s over its devices' dense
+  bf16 peak (`flops.device_peak`); a device without a known peak (CPU)
+  gets none.
   With several processes, each one's seconds per step over the interval
   are gathered: their max and mean (GEM's straggler signal) go into the
   record; a collective, so every process calls `show`.
@@ -215,11 +217,13 @@ class Progress:
     self.devices = jax.local_device_count()
     self.t0 = self.t_last = time.perf_counter()
     self.step_last = start
-    self.samples = self.tokens = self.flops = 0
+    self.samples = self.tokens = self.flops = self.hw_flops = 0
     # G9: the checkpoint policies in force, printed now and recorded in
-    # the first `train` record.
+    # the first `train` record; their recompute counts as hardware FLOPs.
+    resolved = remat_lib.resolve(cfg)
+    self.model_cfg = resolved.model
     used = cfg.model.remat or cfg.train.activation_budget_gb > 0
-    self.remat = remat_lib.describe(remat_lib.resolve(cfg)) if used else None
+    self.remat = remat_lib.describe(resolved) if used else None
     if self.remat and enabled:
       print(self.remat, file=sys.stderr, flush=True)
 
@@ -227,7 +231,9 @@ class Progress:
     """Count one step's host batch (this process's stacked shards)."""
     self.samples += int(np.sum(batch.cand_offsets[..., -1]))
     self.tokens += int(np.sum(batch.offsets[..., -1]))
-    self.flops += flops_lib.step_flops(self.cfg, batch).train
+    counted = flops_lib.step_flops(self.cfg, batch)
+    self.flops += counted.train
+    self.hw_flops += counted.train + counted.recompute(self.model_cfg)
 
   def show(self, step: int, loss: float) -> dict:
     now = time.perf_counter()
@@ -240,6 +246,8 @@ class Progress:
       "model_tflops_per_s": self.flops / dt / 1e12,
       "step_s": dt / steps,
     }
+    if self.hw_flops > self.flops:
+      rates["hardware_tflops_per_s"] = self.hw_flops / dt / 1e12
     if self.peak is not None:
       rates["mfu"] = self.flops / dt / (self.peak * self.devices)
     if jax.process_count() > 1:
@@ -249,7 +257,7 @@ class Progress:
     if self.remat:
       rates["remat"], self.remat = self.remat, None
     self.t_last, self.step_last = now, step
-    self.samples = self.tokens = self.flops = 0
+    self.samples = self.tokens = self.flops = self.hw_flops = 0
     if self.enabled:
       mfu = f"  MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
       print(

@@ -46,7 +46,8 @@ def test_hand_count_tiny_config():
   qkvo = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8)  # Q, O: 4 heads; K, V: 2 heads
   ffn = 6 * 32 * 64
   want = {
-    "input": 2 * t * 6 * 32 * 32 + 2 * c * 3 * 32 * 32 + 2 * r * 8 * 32,
+    "input_tokens": 2 * t * 6 * 32 * 32,
+    "input_other": 2 * c * 3 * 32 * 32 + 2 * r * 8 * 32,
     "seq_dense": t * (qkvo + ffn),
     "seq_attention": 4 * 4 * 8 * (3 * 3 + 5 * 5),
     "cross_dense": c * (4 * 32 * 4 * 8 + ffn) + t * 4 * 32 * 2 * 8,
@@ -56,6 +57,16 @@ def test_hand_count_tiny_config():
   assert got.parts == {k: float(v) for k, v in want.items()}
   assert got.forward == 345_824
   assert got.train == 3 * 345_824
+  # Recompute under remat: whole regions for `nothing`, attention for
+  # `dots`; none without remat.
+  assert got.recompute(m) == 0
+  m2 = dataclasses.replace(m, remat=("seq=nothing", "cross=dots"))
+  assert (
+    got.recompute(m2)
+    == want["seq_dense"] + want["seq_attention"] + (want["cross_attention"])
+  )
+  m3 = dataclasses.replace(m, remat=("input=nothing", "heads=nothing"))
+  assert got.recompute(m3) == want["input_tokens"] + want["heads"]
   # Stacking shards adds their counts.
   two = jax.tree.map(lambda x: np.stack([x, x]), b)
   assert flops.step_flops(cfg, two).forward == 2 * got.forward

@@ -125,3 +125,7 @@ def test_progress_prints_and_records_the_plan(capsys):
   first, second = p.show(1, 0.5), p.show(2, 0.5)
   assert "input=nothing" in first["remat"]
   assert "remat" not in second
+  # Everything recomputed: hardware FLOPs = model FLOPs + one forward,
+  # but the candidate and dense projections (outside every region).
+  hw, model = first["hardware_tflops_per_s"], first["model_tflops_per_s"]
+  assert 0.99 * model * 4 / 3 < hw < model * 4 / 3
