@@ -33,6 +33,7 @@ from flax import nnx
 
 from gemjax.data.config import CAND_FEATURES, SEQ_FEATURES
 from gemjax.data.jagged import segment_ids
+from gemjax.model import remat
 from gemjax.model.embeddings import Embeddings
 from gemjax.model.experts import DHEN
 from gemjax.model.layers import Dense, RMSNorm, dense, fp8_for
@@ -200,7 +201,11 @@ class RankingModel(nnx.Module):
 
   def head(self, feats, *, key=None):
     """Candidate features `[c, 2*d_model + emb_dim]` -> logits `[c, tasks]`."""
-    return self.heads(feats, dropout=self.cfg.dropout, key=key)
+    heads = lambda f, k: self.heads(f, dropout=self.cfg.dropout, key=k)
+    return self._remat(heads, "heads")(feats, key)
+
+  def _remat(self, fn, region: str):
+    return remat.checkpoint(fn, remat.policy(self.cfg.remat, region))
 
   def encode(self, batch, *, max_len: int):
     """Stage 1 of one batch: (sequence outputs `[t, d_model]`, user vectors
@@ -208,8 +213,12 @@ class RankingModel(nnx.Module):
     dtype = jnp.dtype(self.cfg.dtype)
     t = batch.token_capacity
     tok_valid = jnp.arange(t) < batch.offsets[-1]
-    x_td = self.token_proj(self.embeddings.concat(batch.seq, SEQ_FEATURES))
-    x_td = jnp.where(tok_valid[:, None], x_td, 0).astype(dtype)
+
+    def tokens(seq):
+      x_td = self.token_proj(self.embeddings.concat(seq, SEQ_FEATURES))
+      return jnp.where(tok_valid[:, None], x_td, 0).astype(dtype)
+
+    x_td = self._remat(tokens, "input")(batch.seq)
     seq_td = self.seqformer(x_td, batch.offsets, max_len=max_len)
     dense = (
       batch.dense
@@ -249,16 +258,21 @@ class RankingModel(nnx.Module):
     )
     cand_emb = self.embeddings.concat(batch.cand, CAND_FEATURES)
     c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
-    for blk in self.cross:
-      c_cd = blk(
-        c_cd,
-        seq_td,
-        batch.cand_offsets,
-        batch.offsets,
-        max_cands=max_cands,
-        max_len=max_len,
-        op=cross_op,
-      )
+
+    def cross(c_cd, seq_td):
+      for blk in self.cross:
+        c_cd = blk(
+          c_cd,
+          seq_td,
+          batch.cand_offsets,
+          batch.offsets,
+          max_cands=max_cands,
+          max_len=max_len,
+          op=cross_op,
+        )
+      return c_cd
+
+    c_cd = self._remat(cross, "cross")(c_cd, seq_td)
     c_cd = self.cand_norm(c_cd)
     item_emb = self.embeddings.lookup("item_id", batch.cand["item_id"])
     return jnp.concatenate([c_cd, user_bd[req_c], item_emb.astype(dtype)], -1)

@@ -14,8 +14,11 @@ FP8 (G4): a block whose attention / FFN runs in FP8 (`layers.fp8_for`) gets
 a norm that returns its output quantized, so the projections read 8 bits.
 """
 
+import functools
+
 from flax import nnx
 
+from gemjax.model import remat
 from gemjax.model.attention import Attention, attention_options, positions
 from gemjax.model.layers import RMSNorm, SwiGLU, fp8_for, swiglu_hidden
 
@@ -78,6 +81,10 @@ class SeqFormer(nnx.Module):
       )
     self.causal = cfg.causal
     self.rope_theta = cfg.rope_theta if cfg.rope else None
+    # G9: the checkpoint policy of each block application.
+    self.remat = tuple(
+      remat.policy(cfg.remat, f"seq{j}") for j in range(len(self.order))
+    )
 
   def __call__(self, x_td, offsets_b, *, max_len: int):
     pos_t = (
@@ -86,27 +93,33 @@ class SeqFormer(nnx.Module):
       else None
     )
     h, delta = x_td, None
-    for i in self.order:
-      blk = self.blocks[i]
-      y, h = (
-        (blk.attn_norm(h), h)
-        if delta is None
-        else blk.attn_norm(delta, residual=h)
+    for j, i in enumerate(self.order):
+      apply = functools.partial(
+        self._block, self.blocks[i], offsets_b, pos_t, max_len
       )
-      delta = blk.attn(
-        y,
-        y,
-        offsets_b,
-        offsets_b,
-        max_len_q=max_len,
-        max_len_kv=max_len,
-        causal=self.causal,
-        q_pos=pos_t,
-        kv_pos=pos_t,
-        rope_theta=self.rope_theta or 1.0,
-      )
-      y, h = blk.ffn_norm(delta, residual=h)
-      delta = blk.ffn(y)
+      h, delta = remat.checkpoint(apply, self.remat[j])(h, delta)
     if delta is None:
       return self.final_norm(h)
     return self.final_norm(delta, residual=h)[0]
+
+  def _block(self, blk, offsets_b, pos_t, max_len, h, delta):
+    """One block: (residual stream, pending delta) -> the same after it."""
+    y, h = (
+      (blk.attn_norm(h), h)
+      if delta is None
+      else blk.attn_norm(delta, residual=h)
+    )
+    delta = blk.attn(
+      y,
+      y,
+      offsets_b,
+      offsets_b,
+      max_len_q=max_len,
+      max_len_kv=max_len,
+      causal=self.causal,
+      q_pos=pos_t,
+      kv_pos=pos_t,
+      rope_theta=self.rope_theta or 1.0,
+    )
+    y, h = blk.ffn_norm(delta, residual=h)
+    return h, blk.ffn(y)

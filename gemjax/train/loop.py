@@ -29,6 +29,8 @@ import sharding
 from gemjax import config as config_lib
 from gemjax import metrics
 from gemjax.data import loader as data_loader
+from gemjax.train import flops as flops_lib
+from gemjax.train import remat as remat_lib
 from gemjax.train import runtime
 from gemjax.train import step as step_lib
 from gemjax.train.checkpoint import CannotResume, Checkpointer, config_changes
@@ -241,29 +243,79 @@ def _host_state(params, tx, seed: int) -> dict:
 
 
 class Progress:
-  """One live line on stderr: step, loss, samples/s, tokens/s, ETA."""
+  """One live line on stderr: step, loss, samples/s, tokens/s, model
+  TFLOP/s, local MFU (G11), ETA; `show` returns the figures for the
+  `train` record.
 
-  def __init__(self, total: int, start: int, enabled: bool):
-    self.total, self.start, self.enabled = total, start, enabled
-    self.t0 = time.perf_counter()
-    self.samples = self.tokens = 0
+  Rates are over the steps since the previous `show` (the first interval
+  includes compilation). Samples are candidates, tokens real history
+  events, FLOPs the model FLOPs of the batches run (`flops.step_flops`,
+  3x forward), all of this process's shards; with activation
+  checkpointing, hardware TFLOP/s (recompute included) beside them.
+  Local MFU is per device: this process's FLOP/s over its devices' dense
+  bf16 peak (`flops.device_peak`); a device without a known peak (CPU)
+  gets none.
+  With several processes, each one's seconds per step over the interval
+  are gathered: their max and mean (GEM's straggler signal) go into the
+  record; a collective, so every process calls `show`.
+  """
 
-  def add(self, samples: int, tokens: int) -> None:
-    self.samples += samples
-    self.tokens += tokens
+  def __init__(self, cfg, total: int, start: int, enabled: bool):
+    self.cfg, self.total, self.start = cfg, total, start
+    self.enabled = enabled
+    device = jax.local_devices()[0]
+    self.peak = flops_lib.device_peak(device.device_kind)
+    self.devices = jax.local_device_count()
+    self.t0 = self.t_last = time.perf_counter()
+    self.step_last = start
+    self.samples = self.tokens = self.flops = self.hw_flops = 0
+    # G9: the checkpoint policies in force, printed now and recorded in
+    # the first `train` record; their recompute counts as hardware FLOPs.
+    resolved = remat_lib.resolve(cfg)
+    self.model_cfg = resolved.model
+    used = cfg.model.remat or cfg.train.activation_budget_gb > 0
+    self.remat = remat_lib.describe(resolved) if used else None
+    if self.remat and enabled:
+      print(self.remat, file=sys.stderr, flush=True)
+
+  def add(self, batch) -> None:
+    """Count one step's host batch (this process's stacked shards)."""
+    self.samples += int(np.sum(batch.cand_offsets[..., -1]))
+    self.tokens += int(np.sum(batch.offsets[..., -1]))
+    counted = flops_lib.step_flops(self.cfg, batch)
+    self.flops += counted.train
+    self.hw_flops += counted.train + counted.recompute(self.model_cfg)
 
   def show(self, step: int, loss: float) -> dict:
-    dt = max(time.perf_counter() - self.t0, 1e-9)
-    eta = dt / max(step - self.start, 1) * (self.total - step)
+    now = time.perf_counter()
+    dt = max(now - self.t_last, 1e-9)
+    steps = max(step - self.step_last, 1)
+    eta = (now - self.t0) / max(step - self.start, 1) * (self.total - step)
     rates = {
       "samples_per_s": self.samples / dt,
       "tokens_per_s": self.tokens / dt,
+      "model_tflops_per_s": self.flops / dt / 1e12,
+      "step_s": dt / steps,
     }
+    if self.hw_flops > self.flops:
+      rates["hardware_tflops_per_s"] = self.hw_flops / dt / 1e12
+    if self.peak is not None:
+      rates["mfu"] = self.flops / dt / (self.peak * self.devices)
+    if jax.process_count() > 1:
+      per = multihost_utils.process_allgather(np.float64(dt / steps))
+      rates["step_s_max"] = float(np.max(per))
+      rates["step_s_mean"] = float(np.mean(per))
+    if self.remat:
+      rates["remat"], self.remat = self.remat, None
+    self.t_last, self.step_last = now, step
+    self.samples = self.tokens = self.flops = self.hw_flops = 0
     if self.enabled:
+      mfu = f"  MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
       print(
         f"\rstep {step}/{self.total}  loss {loss:.4f}  "
         f"{rates['samples_per_s']:,.0f} samples/s  "
-        f"{rates['tokens_per_s']:,.0f} tokens/s  ETA {eta:4.0f}s",
+        f"{rates['tokens_per_s']:,.0f} tokens/s  "
+        f"{rates['model_tflops_per_s']:,.2f} TFLOP/s{mfu}  ETA {eta:4.0f}s",
         end="",
         file=sys.stderr,
         flush=True,
@@ -323,7 +375,7 @@ def train(
     if step >= total:
       say(f"already at step {step} (train.steps={total}): evaluating only")
     last = min(total, stop_at) if stop_at is not None else total
-    progress = Progress(total, step, cfg.train.progress and main)
+    progress = Progress(cfg, total, step, cfg.train.progress and main)
     with runtime.RunLog(
       tr.run_dir / "metrics.jsonl", main, after=step, redo_eval=step >= total
     ) as log:
@@ -336,10 +388,7 @@ def train(
       )
       while step < last:
         batch = next(loader)
-        progress.add(
-          int(np.sum(batch.cand_offsets[:, -1])),
-          int(np.sum(batch.offsets[:, -1])),
-        )
+        progress.add(batch)
         state, m = tr.train_step(state, tr.to_device(batch))
         step += 1
         if step % cfg.train.log_every == 0 or step == last:

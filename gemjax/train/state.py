@@ -12,6 +12,7 @@ from flax import nnx
 
 from gemjax.data.config import TASKS
 from gemjax.model.ranking import RankingModel
+from gemjax.train import remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,10 @@ class ModelDef:
 def build(cfg, seed: int, *, abstract: bool = False):
   """`cfg` is a `Config`. Returns (ModelDef, params) with params on host, or
   with `abstract` their shapes and dtypes only (`jax.ShapeDtypeStruct`
-  leaves, no initializer runs: what placement and restoring need)."""
+  leaves, no initializer runs: what placement and restoring need).
+  `train.activation_budget_gb` turns into per-region checkpoint policies
+  here (`remat.resolve`)."""
+  cfg = remat.resolve(cfg)
 
   def make():
     return RankingModel(
