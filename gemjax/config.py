@@ -89,7 +89,6 @@ class ModelConfig:
   remat: tuple[str, ...] = ()
 
   def __post_init__(self):
-<<<<<<< HEAD
     c = checker(self, "model")
     for name in ("d_model", "num_layers", "num_heads", "num_kv_heads"):
       c(name, getattr(self, name) >= 1, ">= 1")
@@ -104,35 +103,6 @@ class ModelConfig:
         "d_model",
         self.d_model % self.num_heads == 0,
         f"a multiple of num_heads={self.num_heads}, or set head_dim",
-=======
-    for name, value, allowed in (
-      ("seq_attention", self.seq_attention, SEQ_ATTENTION),
-      ("block_size", self.block_size, (32, 64, 128)),
-      ("cand_attention", self.cand_attention, CAND_ATTENTION),
-      ("gdpa_activation", self.gdpa_activation, GDPA_ACTIVATIONS),
-      ("gdpa_normalize", self.gdpa_normalize, (None, "hstu")),
-    ):
-      if value not in allowed:
-        raise ValueError(f"{name}={value!r}: one of {allowed}")
-    if self.sliding_window < 1 or self.pooled_queries < 0:
-      raise ValueError("sliding_window must be >= 1, pooled_queries >= 0")
-    from gemjax.model import remat  # the policy names live with the model
-
-    remat.parse(self.remat)
-    if self.fp8 not in FP8_FORMATS:
-      raise ValueError(f"fp8={self.fp8!r}: one of {FP8_FORMATS}")
-    bad = set(self.fp8_layers) - set(FP8_LAYER_FAMILIES)
-    if bad:
-      raise ValueError(
-        f"fp8_layers {sorted(bad)} unknown; choose from {FP8_LAYER_FAMILIES}"
-      )
-    if self.fp8_keep_last < 0:
-      raise ValueError(f"fp8_keep_last={self.fp8_keep_last} must be >= 0")
-    if not self.head_dim and self.d_model % self.num_heads:
-      raise ValueError(
-        f"d_model={self.d_model} is not divisible by num_heads="
-        f"{self.num_heads}; set head_dim explicitly"
->>>>>>> issue54
       )
     c(
       "layer_order",
@@ -188,6 +158,12 @@ class ModelConfig:
     )
     c("fp8_keep_last", self.fp8_keep_last >= 0, ">= 0")
     c("fp8_hadamard", self.fp8_hadamard >= 0, ">= 0 (0 = off)")
+    from gemjax.model import remat  # the region and policy names
+
+    try:
+      remat.parse(self.remat)
+    except ValueError as e:
+      c("remat", False, "entries " + str(e).partition(": ")[2])
 
   @property
   def attn_head_dim(self) -> int:
@@ -217,11 +193,14 @@ class TrainConfig:
   baselines: bool = True
   run_dir: str = "runs/{config}"
   progress: bool = True  # live progress line on stderr
-<<<<<<< HEAD
   # Resuming a run whose checkpoint was written under another model or data
   # config is refused (the checkpoint would not fit, or the data would
   # silently change); this lets it go on anyway.
   allow_config_change: bool = False
+  # G9: estimated bytes of saved activations per device allowed; the
+  # regions' checkpoint policies are chosen to fit, recompute saved per GB
+  # first (`gemjax.train.remat`). 0 = off (`model.remat` as given).
+  activation_budget_gb: float = 0.0
 
   def __post_init__(self):
     c = checker(self, "train")
@@ -238,12 +217,7 @@ class TrainConfig:
       "> 0",
     )
     c("grad_clip_norm", self.grad_clip_norm > 0, "> 0")
-=======
-  # G9: estimated bytes of saved activations per device allowed; the
-  # regions' checkpoint policies are chosen to fit, recompute saved per GB
-  # first (`gemjax.train.remat`). 0 = off (`model.remat` as given).
-  activation_budget_gb: float = 0.0
->>>>>>> issue54
+    c("activation_budget_gb", self.activation_budget_gb >= 0, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ def parse(entries) -> dict[str, str]:
     region, sep, policy = item.partition("=")
     if not sep or policy not in POLICIES or not _region_ok(region):
       raise ValueError(
-        f"remat entry {item!r}: want region=policy, region one of input, "
+        f"remat entry {item!r}: region=policy, region one of input, "
         f"seq, seq<j>, cross, heads; policy one of {POLICIES}"
       )
     out[region] = policy
