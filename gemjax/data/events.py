@@ -182,10 +182,14 @@ class Requests:
       return f"{self.source}:{int(self.line[i])}"
     return f"{self.source or 'requests'}[{i}]"
 
-  def take(self, idx) -> "Requests":
-    """The requests `idx` (in that order), candidates following them."""
+  def take(self, idx, cand_lo=None, cand_hi=None) -> "Requests":
+    """The requests `idx` (in that order), candidates following them; with
+    `cand_lo` / `cand_hi` (per taken request, relative to its first
+    candidate) only those candidates (a request split into chunks)."""
     idx = np.asarray(idx, np.int64)
     lo, hi = self.cand_offsets[idx], self.cand_offsets[idx + 1]
+    if cand_lo is not None:
+      lo, hi = lo + np.asarray(cand_lo), lo + np.asarray(cand_hi)
     cidx = ranges(lo, hi)
     return Requests(
       user=self.user[idx],

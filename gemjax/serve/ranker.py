@@ -25,6 +25,7 @@ Programs are compiled once per bucket (`compilations` counts them;
 program only ever runs its own shapes, so nothing recompiles afterwards.
 """
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -466,20 +467,8 @@ class Ranker:
 
 
 def _unit_requests(req: Requests, units, num_tasks: int) -> Requests:
-  """One request per unit (request i, candidates lo:hi of it)."""
-  ui = np.array([u[0] for u in units], np.int64)
-  lo = np.array([u[1] for u in units], np.int64) + req.cand_offsets[ui]
-  hi = np.array([u[2] for u in units], np.int64) + req.cand_offsets[ui]
-  cidx = ranges(lo, hi)
-  return Requests(
-    user=req.user[ui],
-    ts=req.ts[ui],
-    user_row=req.user_row[ui],
-    dense=req.dense[ui],
-    cand_offsets=np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64),
-    cand_item=req.cand_item[cidx],
-    cand_category=req.cand_category[cidx],
-    cand_price=req.cand_price[cidx],
-    labels=np.zeros((cidx.size, num_tasks), np.float32),
-    source=req.source,
-  )
+  """One request per unit (request i, candidates lo:hi of it), unlabelled."""
+  ui, lo, hi = (np.array([u[j] for u in units], np.int64) for j in range(3))
+  out = req.take(ui, lo, hi)
+  labels = np.zeros((out.cand_item.size, num_tasks), np.float32)
+  return dataclasses.replace(out, labels=labels, line=None)
