@@ -158,12 +158,13 @@ class ModelConfig:
     )
     c("fp8_keep_last", self.fp8_keep_last >= 0, ">= 0")
     c("fp8_hadamard", self.fp8_hadamard >= 0, ">= 0 (0 = off)")
-    from gemjax.model import remat  # the region and policy names
+    if self.remat:  # the model's names; an exported scorer has no model
+      from gemjax.model import remat
 
-    try:
-      remat.parse(self.remat)
-    except ValueError as e:
-      c("remat", False, "entries " + str(e).partition(": ")[2])
+      try:
+        remat.parse(self.remat)
+      except ValueError as e:
+        c("remat", False, "entries " + str(e).partition(": ")[2])
 
   @property
   def attn_head_dim(self) -> int:
