@@ -421,7 +421,11 @@ CATEGORIES = (
 # HLO op's metadata (its JAX op name and source file).
 _KERNEL_RULES = (
   ("attention", ("sdpa", "fmha", "flash", "cudnn", "attention", "gdpa")),
-  ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas")),
+  # FP8 GEMMs count their operands' quantization (`fp8_quantize*`).
+  (
+    "gemm",
+    ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas", "fp8_quantize"),
+  ),
   ("norm", ("rms_norm", "rmsnorm")),
   ("transfer", ("memcpy", "memset")),
 )
@@ -533,7 +537,12 @@ def trace_breakdown(
       if (how == "ops") != is_ops or "XLA Modules" in thread:
         continue
       args = e.get("args") or {}
+      # A kernel event names its HLO op in `hlo_op`; inside a CUDA graph
+      # that is the command buffer, and the kernel's own name (a fusion's
+      # instruction name) is the one to look up.
       hlo = e["name"] if is_ops else str(args.get("hlo_op", ""))
+      if not is_ops and hlo not in meta:
+        hlo = e["name"]
       attributed += hlo in meta
       text = meta.get(hlo, "") + " " + " ".join(map(str, args.values()))
       cat = categorize("" if is_ops else e["name"], text)

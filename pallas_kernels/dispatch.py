@@ -4,11 +4,18 @@
 Mosaic GPU kernels on a Hopper GPU, else the reference); a user can force
 one by name. Each op registers its implementations in a dict
 `name -> callable`, with "xla" (the plain `jnp` reference) always present.
+`default_implementation("xla")` makes every `implementation=None` inside
+it (at trace time) take the references instead: a whole model, written
+without naming implementations, runs on the references for a check.
 """
 
-from collections.abc import Callable, Mapping
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
+
+_DEFAULT = threading.local()
 
 # CUDA compute capability of Hopper, the GPU the Mosaic kernels are for.
 HOPPER_CAPABILITY = "9.0"
@@ -29,6 +36,19 @@ def hopper() -> bool:
   return compute_capability() == HOPPER_CAPABILITY
 
 
+@contextlib.contextmanager
+def default_implementation(name: str | None) -> Iterator[None]:
+  """Inside: ops called with `implementation=None` use `name` ("xla" or
+  "mosaic") where they have it, else "xla"; None restores the platform's
+  choice. Read while tracing, so jit the function inside the block."""
+  old = getattr(_DEFAULT, "name", None)
+  _DEFAULT.name = name
+  try:
+    yield
+  finally:
+    _DEFAULT.name = old
+
+
 def pick(
   op: str,
   implementations: Mapping[str, Callable],
@@ -36,6 +56,9 @@ def pick(
   gpu_default: str,
 ) -> Callable:
   cc = compute_capability()
+  forced = getattr(_DEFAULT, "name", None)
+  if implementation is None and forced is not None:
+    implementation = forced if forced in implementations else "xla"
   if implementation is None:
     implementation = gpu_default if cc == HOPPER_CAPABILITY else "xla"
     if implementation not in implementations:

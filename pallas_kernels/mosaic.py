@@ -346,12 +346,14 @@ def warp_specialized(
   interpret,
   items="workers",
   name="kernel",
+  family="attention",
 ):
   """`plgpu.kernel` as every attention kernel launches it: a `(heads,
   items)` grid (`items`: "workers" for persistent CTAs, "items" for one
   CTA per work item), `consumers` compute warpgroups plus one producer on
   the "wg" axis, approximate math (`exp2`, `tanh`). `name`: the kernel's
-  folder under `profiling`."""
+  folder under `profiling`; the GPU kernel is named `{family}_{name}`, so
+  that traces attribute its time to its op."""
   params = {}
   if _PROFILE and interpret is None:
     directory = os.path.join(_PROFILE["directory"], name)
@@ -367,4 +369,5 @@ def warp_specialized(
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(approx_math=True, **params),
     interpret=interpret,
+    kernel_name=f"{family}_{name}",
   )

@@ -771,6 +771,7 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args, name):
     consumers=nwg,
     interpret=static.interpret,
     name=name,
+    family="block_attention",
   )(*args)
 
 

@@ -970,6 +970,7 @@ def quantizing_matmul_mgpu(
     grid_names=("sm",),
     num_threads=2 + nq,
     thread_name="wg",
+    kernel_name="fp8_gemm_quantizing",
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
@@ -1064,6 +1065,7 @@ def scaled_matmul_mgpu(
     grid_names=("sm",),
     num_threads=bs.compute_wgs + 1,
     thread_name="wg",
+    kernel_name="fp8_gemm",
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),

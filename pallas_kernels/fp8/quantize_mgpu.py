@@ -559,6 +559,7 @@ def quantize_mgpu(
     grid_names=("c", "r"),
     scratch_types=scratch,
     interpret=interp,
+    kernel_name="fp8_quantize",
   )(x_rc, h, seed)
 
 
@@ -633,6 +634,7 @@ def _ring_call(
     grid_names=("p",),
     scratch_types=scratch,
     interpret=interpret,
+    kernel_name="fp8_quantize_ring",
     **threads,
   )(x_rc, h, seed)
 
@@ -860,6 +862,7 @@ def transpose_quantize_mgpu(
     out_type=tuple(outputs),
     grid=(col_tiles, row_tiles // steps),
     grid_names=("c", "r"),
+    kernel_name="fp8_quantize_transpose",
     scratch_types=(
       plgpu.SMEM((TILE_C, TILE_C), dtype, transforms=tiles),
       *slots,

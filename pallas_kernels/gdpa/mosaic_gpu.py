@@ -983,6 +983,8 @@ def _run_query_side(
     grid=(n // hpc, workers),
     consumers=hpc,
     interpret=static.interpret,
+    name="query",
+    family="gdpa",
   )(*args)
   if parts > 1:
     out = out.sum(axis=0).astype(dtype)
@@ -1269,6 +1271,8 @@ def backward_dkv(
     consumers=wgs,
     interpret=interp,
     items="items",
+    name="dkv",
+    family="gdpa",
   )(*args)
   dk, dv = outs[:2]
   if parts > 1:  # the parts simply add

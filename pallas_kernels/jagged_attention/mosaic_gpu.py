@@ -1067,6 +1067,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
     consumers=hpc,
     interpret=static.interpret,
     name="forward",
+    family="jagged_attention",
   )(items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side)
 
 
@@ -1117,6 +1118,7 @@ def backward_delta(o_tnh, do_tnh, items, static):
     grid_names=("heads", "items"),
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=static.interpret,
+    kernel_name="jagged_attention_delta",
   )(items, o_tnh, do_tnh)
 
 
@@ -1367,6 +1369,7 @@ def backward_dq(
     consumers=hpc,
     interpret=static.interpret,
     name="dq",
+    family="jagged_attention",
   )(
     items, dealt, counts, q_tnh, k_skh, v_skh, k_side, v_side, o_tnh,
     do_tnh, lse,
@@ -1789,4 +1792,5 @@ def backward_dkv(
     consumers=wgs,
     interpret=static.interpret,
     name="dkv_dq" if fused else "dkv",
+    family="jagged_attention",
   )(*args)
