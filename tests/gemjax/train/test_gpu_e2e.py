@@ -8,7 +8,6 @@ model. Runs on a Hopper GPU (`-m gpu`); `compare` itself also runs on CPU
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
