@@ -37,12 +37,9 @@ def num_sms(given: int | None = None) -> int:
   GPU, else `HOPPER_SMS`. Persistent kernels launch about this many CTAs,
   each with its share of the work; a fixed 132 on a Hopper with fewer SMs
   (an H100 PCIe has 114, an H20 78) leaves the CTAs past the SM count to a
-  second wave. What that costs, measured the other way round on the H200
-  (132 SMs; a development run, 2026-12-01, timed in alternation): jagged
-  attention D64 on log-normal lengths with a grid sized for 150 SMs ran
-  the forward in 0.453 against 0.280 ms and forward+backward in 1.539
-  against 0.976 ms (1.6x); sized for 264 (two full waves of half-size
-  CTAs), 0.285 / 0.989 ms."""
+  second wave, which made jagged attention 1.6x slower in the converse
+  run on the H200 (a grid sized for 150 SMs on its 132;
+  docs/kernels/jagged_attention.md)."""
   if given is not None:
     return given
   dev = jax.local_devices()[0]

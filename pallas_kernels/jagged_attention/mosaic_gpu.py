@@ -111,16 +111,12 @@ between, then `dV` and `dK` together with dS's store (and the fused dQ)
 behind them. Measured numbers: BENCHMARKS.md (`benchmarks/jagged_attention.py`,
 whose --breakdown times the kernels alone).
 
-The exponentials' share (the special function unit's `exp2`, one per score
-in the forward and one per recomputed score in the backward): with every
-`exp2` replaced at trace time by one multiply-add (wrong values, timing
-only; H200, 2026-12-02, the benchmark's log-normal batch, timed in
-alternation with the real kernels), the D64 forward ran 0.2348 against
-0.2544 ms a set and forward+backward 0.8737 against 0.9266; D128 0.3586
-against 0.3724 and 1.4704 against 1.5419. So no trick on the exponentials (a
-polynomial on the FMA units for part of them, as FlashAttention-4 does on
-Blackwell) could give more than those 3.7-7.7%; Mosaic GPU does not
-lower `floor`, which the usual polynomial needs.
+The exponentials (the special function unit's `exp2`, one per score) take
+3.7-7.7% of the time (measured by replacing each with a multiply-add), so
+no trick on them (a polynomial on the FMA units for part of them, as
+FlashAttention-4 does on Blackwell) could give more; Mosaic GPU does not
+lower `floor`, which the usual polynomial needs. The runs behind this and
+every tuning choice below: docs/kernels/jagged_attention.md.
 
 Interpret mode (CPU CI) runs the same kernels, except that "accumulate into a
 live wgmma accumulator" (`pl.run_state`, and wgmma with a register operand,
@@ -192,102 +188,26 @@ class BlockSizes:
 
   @staticmethod
   def default(head_dim: int) -> "BlockSizes":
-    """Measured on the H200 (development runs). The forward's
-    intra-warpgroup overlap (`fwd_overlap`; same outputs, bit for bit),
-    2026-12-01, B=32 log-normal, ms a set timed in alternation with the
-    default and cuDNN over two runs: D128 forward+backward 1.562 / 1.583
-    against 1.585 / 1.628 (1.5% / 2.8% faster), forward alone 0.364 /
-    0.368 against 0.374 / 0.359 (within the runs' spread), all-2,048
-    forward 0.968 against 0.988; D64 forward 0.275 / 0.274 against 0.256
-    / 0.255 (7% slower: at D64 the softmax is the larger share, and the
-    two consumers' ping-pong hides it better), so only D128 takes it. With
-    the consumers also issuing their wgmmas in turn (FA3's ping-pong on top,
-    by a pair of mbarriers) it was slower still: D128 forward 0.383, D64
-    0.293. The
-    fused backward is 5% faster than the two-kernel one at head dim 64 and
-    7-9% slower at 128 (23% slower with both persistent, session 6), so 128
-    keeps the dQ kernel (64-key steps: a 128-key ring does not fit beside
-    its O/dQ, delta and row-reduction buffers, 233.6 KB > 227 KB). The
-    pipelined backward step (`bwd_pipeline`) is 8% (D64) / 4% (D128)
-    faster than the serial one; 240/24 registers and the fused own-half dQ
-    measured no better (session 5); a 3-stage backward ring is 2.5% slower
-    at D64 and does not fit the D128 dQ kernel (233,584 > 232,448 B).
-    dK/dV steps over two query heads of the group at once (128 query
-    columns: N=128 wgmmas, half the steps and waits; a development run,
-    2026-12-01, fwd+bwd timed in alternation, same outputs) were slower:
-    D64 log-normal 1.089 ms (0.993 with 240 registers) against 0.974,
-    all-2,048 2.669 (2.438) against 2.396, D128 unfused 2.103 against
-    1.500; the score and dP tiles double, and 240 registers won back
-    most of the loss. Forming dS from P rounded to bf16 (so the f32 P
-    dies before dP lands) did not help either (same day, log-normal /
-    all-2,048: 1.041 / 2.622 ms with one head, 1.221 / 3.047 with two,
-    1.164 / 2.877 with two and 240 registers, against 0.966 / 2.399;
-    dQ and dK errors against the f32 reference 0.0029-0.0031 against
-    0.0024-0.0025). Dropped.
-    Two rounds of pair swaps after each persistent deal (`q_deal_swaps`,
-    `kv_deal_swaps`; outputs equal bit for bit at D128, whose backward adds
-    nothing in arrival order) ran D128 log-normal fwd+bwd in 1.557 / 1.585
-    / 1.573 ms a set against 1.596 / 1.597 / 1.588 (one round: 1.575 /
-    1.591 / 1.580), three runs timed in alternation with cuDNN, 2026-12-01;
-    all-2,048 (tiles already dealt evenly) 4.134 against 4.121, within the
-    rounds' spread. With the swaps built of compares and gathers (no sort
-    or scatter, 2026-12-02; `schedule.pair_swaps`) two rounds on both deals
-    ran 1.5306 / 1.5427 against 1.5589 / 1.5533 plain, two on the key deal
-    alone 1.5623 / 1.5545 (two runs). They are small XLA ops that depend on
-    the offsets alone, so XLA computes them once per jitted step for all
-    the layers that share those offsets (in the benchmark, once for its
-    four input sets); a program with a single attention call pays them
-    whole: the query and key deals with two rounds each keep the device
-    busy 37.1 us (70.6 with the sorts and scatters, 5.5 with no swaps;
-    traces of 50 calls, 2026-12-02).
-    Yet the D64 fused kernel's deal is uneven. Profiled on the H200
-    (2026-12-02, `mosaic.profiling`, one call of the benchmark's log-normal
-    batch, the first run after compiling, whose spans read about 1.7x the
-    kernels' timed figures: a cool chip or the profiler, not told apart),
-    its SMs finished at max/mean 1.059-1.065 with the plain deal in three
-    runs (spans 1,067.6-1,073.9 us; 5.6-6.1% of the SMs' time idle at the
-    tail; the items' times fit 2.70 us a step plus 0.27 us, residual 0.7%,
-    so the cost model in `_deal_items` predicts each CTA's load). One round
-    of swaps gave 1.027 and two 1.013-1.015 (spans 1,022.8-1,024.4 us).
-    Timed, the shorter span does not show: fwd+bwd in alternation, ms a
-    set, plain 0.9418 / 0.9415 / 0.9473, two rounds on the key deal alone
-    0.9367 / 0.9445 / 0.9460 (the last two sort-free), one 0.9531 / 0.9655,
-    one on every deal 0.9277, two 0.9450 / 0.9454 / 0.9458 (2026-12-01 and
-    -02; the rounds' spread is about 2%). So D64 keeps the plain deal.
-    The forward's exponentials split between the special function unit and
-    a polynomial on the FMA units (FlashAttention-4's split: the first
-    16-48 columns of each score tile by a degree-3 polynomial, `n =
-    round(x)` by adding and subtracting 1.5 * 2**23 and `n` added into the
-    exponent bits, relative error 7.5e-5; 2026-12-02, log-normal, runs
-    timed in alternation with cuDNN, ms a set): D128 forward 0.3879 /
-    0.3892 with 16 of the 128 columns, 0.3896 / 0.3942 with 32, against
-    0.3956 / 0.3990, and in a third run 0.3859 / 0.3820 / 0.3855 against
-    0.3906 / 0.3861 / 0.3880 (16: 0.6-2.5% faster); yet fwd+bwd with the
-    same backward ran 1.5706 / 1.5705 / 1.5992 against 1.5560 / 1.5606 /
-    1.5600, slower, for a reason not told apart (the power cap lowering the
-    clock after a forward that keeps more units busy is one guess); the
-    benchmark with 16 as the default read forward 1.428x and fwd+bwd 1.152x
-    cuDNN (0.4017 / 1.588 ms). D64 forward 0.2620 / 0.2616 (16), 0.2728 /
-    0.2694 (32), 0.2774 / 0.2762 (48) against 0.2558 / 0.2559, slower (the
-    polynomial's nine instructions an element the likely cost; not
-    profiled). The same split in the backward's recomputed P (8 or 16
-    columns) ran fwd+bwd 0.959-0.973 against 0.931 / 0.937 at D64 and
-    1.576-1.588 against 1.535 / 1.556 at D128; dropped. No default took it,
-    so it was removed (session 23's commit 7c25085 has it, with its tests).
-    The fused backward's dQ added in the inputs' dtype (`dq_f32=False`)
-    rather than in f32 then scaled and cast (2026-12-02, fwd+bwd timed in
-    alternation with cuDNN, two runs, ms a set): D64 log-normal 0.8888 /
-    0.8780 against 0.9507 / 0.9484 (1.320x / 1.353x cuDNN against 1.234x /
-    1.253x), all-2,048 2.286 / 2.296 against 2.419 / 2.416. Kernel parts
-    (`--breakdown`, log-normal): the fused kernel with its zero fill 601.7
-    us a set against 631 (the reduce-add moves half the bytes), fill 8.0 us
-    against 16, no cast pass (23 us). Relative errors against the f32
-    reference, dQ 0.0046 (log-normal) / 0.0056 (all-2,048) against 0.0024
-    with f32; cuDNN's own on the same inputs: dQ 0.0024, dK 0.0029, dV
-    0.0027. At D128 the fused backward in the inputs' dtype still loses to
-    the dQ kernel: 1.666 / 1.663 against 1.621 / 1.593, and in another run
-    1.685 / 1.686 (1.693 / 1.687 with 240 registers) against 1.567 /
-    1.572."""
+    """Tuned on the H200 (the runs: docs/kernels/jagged_attention.md).
+
+    - `fwd_overlap` at D128 only: 1.5-2.8% faster forward+backward there;
+      7% slower at D64, where the softmax is the larger share and the two
+      consumers' ping-pong already hides it.
+    - `fused_bwd` at D64 only: 5% faster than the two kernels there, 7-9%
+      slower at D128, which keeps the dQ kernel with 64-key steps (a
+      128-key ring does not fit beside its buffers, 233.6 KB > 227 KB).
+    - `bwd_pipeline`: 8% (D64) / 4% (D128) faster than the serial step.
+    - `bwd_registers=232`: 240 (producer on 24) measured no better.
+    - `q_deal_swaps` / `kv_deal_swaps` = 2 at D128: about 2% faster on
+      log-normal lengths; at D64 the evener deal did not show in the
+      timing, so it keeps the plain deal.
+    - `dq_f32=False`: the fused dQ added in the inputs' dtype is 5-7%
+      faster at D64 (half the reduce-add bytes, no cast pass), with dQ's
+      error 0.0046-0.0056 against 0.0024 in f32 (cuDNN's: 0.0024).
+
+    Tried and dropped (slower): the consumers also taking turns on their
+    wgmmas, dK/dV steps over two query heads at once, dS from P rounded to
+    bf16, and part of the exponentials on a polynomial."""
     if head_dim <= 64:
       return BlockSizes(block_kv_dq=128)
     return BlockSizes(
@@ -1148,9 +1068,8 @@ def backward_dq(
   after the item's last `S`/`dP` wgmmas (O and lse were consumed at the
   item's start), and the dQ and delta stores drain while the next item
   computes. O has its own buffer (not dQ's staging), so the next O lands
-  during the last step and the epilogue. Measured on the H200 at D128
-  log-normal (kernel alone, 2026-11-30): 0.504 ms vs 0.532 with one CTA
-  per item (-5%).
+  during the last step and the epilogue: 5% faster than one CTA per item
+  at D128.
   """
   t, n, h = q_tnh.shape
   _, kh, _ = k_skh.shape
@@ -1447,8 +1366,7 @@ def backward_dkv(
   That barrier holds the two consumers in step (a producer stall or one
   warpgroup's softmax stops both). Dropping it, each consumer adding its
   own half's `dS^T[w]^T K[w]` over all columns (twice the reduce
-  traffic), measured slower on the H200 (log-normal fwd+bwd 1.882 vs
-  1.557 ms at D=128, 1.024 vs 0.945 at D=64, 2026-11-30) and was removed.
+  traffic), was 8-21% slower and was removed.
   Key rows outside the tile's sequence must be zero here (else `dS K`
   picks up other sequences' keys): a sequence's first and last key tile
   come from the forward's zero-filled side tiles `k_side` (same 128-row
@@ -1459,15 +1377,9 @@ def backward_dkv(
   items (global step count, which also picks the dS buffer), each consumer
   loads the next item's K/V rows right after its key loop (fused: once
   both consumers are past it, since each one's dQ wgmmas read the other's
-  K) and they land during the dK/dV stores. Measured on the H200,
-  log-normal, 2026-11-30, same process: D128 dK/dV kernel alone 0.685 vs
-  0.709 ms with one CTA per item, fwd+bwd 1.546 vs 1.603 ms (with the
-  persistent dQ kernel); D64 fused fwd+bwd 0.938 vs 0.946 ms (kernel alone
-  0.644 vs 0.666 ms with its zero fill). Tried at D64 and dropped: a
-  ready/free hand-off of dS instead of the lockstep barrier (the step's
-  dQ owner waits for both halves, the other runs on): 0.938 ms persistent
-  (no change), 0.972 vs 0.946 per item; zeroing the f32 dQ buffer inside
-  the delta kernel instead of a fill pass: 0.943 vs 0.941 ms (no change).
+  K) and they land during the dK/dV stores: 1-4% faster than one CTA per
+  item. A ready/free hand-off of dS instead of the lockstep barrier, and
+  zeroing the f32 dQ buffer in the delta kernel, measured no better.
   """
   fused = dq is not None
   t, n, h = q_tnh.shape
