@@ -176,16 +176,10 @@ def _by_sequence(offsets_e, block, align, num_items, seq_cost):
   scatter or cumulative sum between them (a GPU runs each small XLA op as
   its own kernel launch).
 
-  H200, 2026-12-01, four input sets a call, against the item sort: GDPA
-  cross16's forward ran 11 device ops a call instead of 16 (busy 321.0
-  against 326.8 us in a trace) and its forward+backward 37 instead of
-  49; timed in alternation the difference is within the noise (cross16
-  forward 336.0 against 333.7 us a call, cross256 671.6 against 684.1,
-  jagged D=128 log-normal fwd+bwd 1.583 against 1.581 ms a set). Jagged
-  D=64 log-normal fwd+bwd timed 0.974 against 0.948 ms a set (slower in
-  8 of 9 rounds), though its trace has 33 ops a call against 40 and less
-  busy time (3,654 against 3,674 us), on the same work tables: not
-  explained yet.
+  Against the item sort this runs fewer device ops (GDPA cross16's
+  forward 11 a call instead of 16) at a timed speed within the noise,
+  except jagged D=64 fwd+bwd, about 3% slower for a reason not yet
+  explained (docs/kernels/schedule.md).
   """
   nb = offsets_e.shape[0] - 1  # sequences + the tail pseudo-sequence
   n_tiles_b = tiles_per_sequence(offsets_e, block, align)
@@ -227,17 +221,16 @@ RANK_BY_COMPARE_MAX = 4096
 def stable_order(key, compare_max: int = RANK_BY_COMPARE_MAX):
   """`jnp.argsort(key, stable=True)` for the short int32 keys of a work list.
 
-  XLA's GPU sort of a ~1K-item list is one slow kernel: 10.6 us of the
-  1061-item GDPA cross16 forward plan, 8.0 us in jagged attention's D128
-  forward (H200 profiles, 2026-11-30). Up to `compare_max` items this
-  instead ranks every item by comparing it with all others, one `[i, i]`
+  XLA's GPU sort of a ~1K-item list is one slow kernel (8-11 us in the
+  H200 profiles of docs/kernels/schedule.md). Up to `compare_max` items
+  this instead ranks every item by comparing it with all others, one `[i, i]`
   compare-and-count fusion:
 
       rank[j] = #{m : key[m] < key[j]} + #{m < j : key[m] == key[j]}
 
   (a permutation, since ties are broken by position), then scatters
-  `order[rank[j]] = j`: one kernel each, 2.1 us and 1.0 us in the cross16
-  forward's profile. Longer lists use XLA's sort.
+  `order[rank[j]] = j`: one kernel each, about 3 us together. Longer
+  lists use XLA's sort.
   """
   n = key.shape[0]
   if n > compare_max:
