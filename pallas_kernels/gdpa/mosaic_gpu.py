@@ -83,10 +83,8 @@ and 3.8e-2 at 1, so the fit doubles the range at the same cost.) Outside
 that fallback is a per-element select, so both forms are evaluated and
 nothing is saved: it buys exactness everywhere. And with `approx_math`
 the exact form is one `tanh.approx` on the special function unit, which
-the H200 runs faster than the polynomial's ALU work: B=32 x 2,048
-queries over 256 keys, forward 0.1675 ms exact vs 0.2070 ms "poly"
-(1.24x), forward+backward 0.7235 vs 0.8170 ms (1.13x), same process
-(2026-11-30); hence the default. The seed's saving is
+the H200 runs faster than the polynomial's ALU work (forward 1.24x,
+forward+backward 1.13x at 256 keys); hence the default. The seed's saving is
 `tanh="poly_unchecked"` (polynomial only), for callers that guarantee
 `|u| <= 1`, e.g. QK-normed Q and K with `|scale q . k| <= 1.13`; outside the
 range it is wrong (the odd polynomial turns back at `|u| ~ 1.2`). The
@@ -107,26 +105,15 @@ adding f32 partials (XLA sums them). Interpret mode (CPU) runs the same
 kernels; see
 `pallas_kernels.mosaic.accumulate` for its one substitution.
 
-Where the forward's time goes over 256 keys (H200, B=32 x 2,048 queries,
-2026-12-03, parts of the consumer's step taken out at lowering time, all
-timed in alternation): 0.1454 ms as is; 0.1149 without the activation
-(the exact tanh alone instead: 0.1286); 0.1020 without the activation
-and the P V matmul (P added to the accumulator instead). So what is
-left, Q in, O out and Q K^T, takes 0.102
-ms where its bytes at copy bandwidth take about 65 us and its matmul at
-the dense rate about 35 us: the loads and stores of a tile overlap its
-math little (two Q stages, the most that fit beside 256 resident keys).
-256-key steps in one stage spill registers (0.2626 ms).
-Fewer ALU operations in `gelu_tanh` did not pay (H200, 2026-12-04,
-development runs, timed in alternation, per set): with the score scale
-folded into its constants, `h (1 + tanh(x (c + c a x^2)))`, `h = x / 2`,
-takes five operations besides the tanh against eight, and ran the
-forward at 83.5 / 87.5 / 152.5 us at 16 / 64 / 256 keys against 81.2 /
-88.4 / 153.0 as written (9 rounds); the derivative rearranged the same
-way made forward+backward slower, 298.2 / 305.6 / 661.1 against 256.4 /
-262.6 / 583.6 us. The whole activation in packed bf16x2 arithmetic
-(`tanh.approx.bf16x2`) ran 152.2 against 149.8 us at 256 keys and raised
-the output's error against the f32 reference from 0.0024 to 0.0037.
+Where the forward's time goes over 256 keys (parts of the consumer's step
+taken out at lowering time): the activation about a fifth, P V a tenth;
+what is left, Q in, O out and Q K^T, takes about as long as its bytes at
+copy bandwidth plus its matmul at the dense rate, so a tile's loads and
+stores overlap its math little (two Q stages, the most that fit beside 256
+resident keys). Fewer ALU operations in `gelu_tanh` (the score scale folded
+into its constants) and the activation in packed bf16x2 arithmetic did not
+pay. The runs behind these and the tuning choices below:
+docs/kernels/gdpa.md.
 
 dQ for short keys (`dq_from_ds`). The dQ kernel recomputes `X`, `dP` and
 `a'(X)` per score (3 of the backward's 7 matmul passes). A fused
@@ -139,10 +126,8 @@ per CTA instead. So when the caller bounds the keys (`max_len_kv`, within
 persistent pass reads them back with K: `dQ = sum dS^T[tile]^T K[tile]`,
 one matmul per tile pair, no recomputation. The `dS` round trip costs
 `t n keys` bf16 twice; the dQ kernel read Q and dO and did 3 matmuls
-and the derivative. H200, B=32 x 2,048 queries over 256 keys, backward
-alone (2026-11-30): 0.4496 ms vs 0.5652 with the dQ kernel (dK/dV with
-`dS^T` 0.313 ms of it); over 16 and 64 keys, forward+backward 0.2730 /
-0.2726 ms vs 0.3177 / 0.3149.
+and the derivative. The round trip wins: over 256 keys the backward is
+20% faster, over 16 and 64 keys forward+backward 14%.
 
 dQ for longer keys (`dq_fused`, `backward_dkv_dq`): the dK/dV kernel adds
 each step's `dS^T[tile]^T K[tile]` into dQ itself with TMA reduce-add (one
@@ -375,10 +360,8 @@ def key_items(
   return jnp.stack(cols, axis=-1).reshape(-1, len(cols)).astype(jnp.int32)
 
 
-# dQ from dS^T by default for 1..5 key tiles of 64 (up to ~256 keys). H200,
-# same process (benchmarks/gdpa.py variants `cross16:ds`, `cross64:ds`,
-# 2026-11-30): fwd+bwd 1.164x / 1.155x the dQ kernel's speed at 16 / 64
-# keys; 256 keys: backward 0.4496 vs 0.5652 ms (see the module docstring).
+# dQ from dS^T by default for 1..5 key tiles of 64 (up to ~256 keys),
+# where it beats the dQ kernel by 14-20% (see the module docstring).
 DS_KEY_TILES = (1, 5)
 
 
@@ -430,18 +413,13 @@ def backward_dkv_dq(q, k, v, do, q_side, do_side, items, static, parts=1):
   rows: its stores cannot drop the rows past the end), summed here.
 
   The default where dQ does not come from `dS^T` (`dq_path`: longer
-  keys), in place of the dQ kernel. H200, fwd+bwd timed in alternation
-  (2026-12-03): 0.0617 against 0.0710 ms with the dQ kernel for pooled
-  attention (16 queries over 32 log-normal histories), 1.069 against
-  1.234 ms for self-attention over 8 x 2,048, 0.825 against 0.926 over
-  16 log-normal lengths; dQ's relative error against the f32 reference
-  0.0041 / 0.0055 / 0.0050 against the dQ kernel's 0.0023 (the other
-  gradients unchanged), as for jagged attention's fused backward. Not
-  for short keys: the per-step rendezvous keeps the two consumers in
-  lockstep, where apart one's activation overlaps the other's wgmmas;
-  B=32 x 2,048 queries, same process: 0.5946 against 0.5935 ms (dQ from
-  `dS^T`) over 256 keys, 0.2813 / 0.2748 against 0.2576 / 0.2545 over
-  64 / 16."""
+  keys), in place of the dQ kernel: 11-14% faster forward+backward on
+  pooled, long self- and log-normal attention, with dQ's relative error
+  0.004-0.0055 against the dQ kernel's 0.0023 (the other gradients
+  unchanged), as for jagged attention's fused backward. Not for short
+  keys: the per-step rendezvous keeps the two consumers in lockstep, where
+  apart one's activation overlaps the other's wgmmas (8-9% slower than
+  dQ from `dS^T` over 16 and 64 keys)."""
   t, n, h = q.shape
   interp = static.interpret is not None
   shape = (
@@ -465,9 +443,8 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
   (cross-attention over 16-64 keys: one tile per sequence, 2 x 32 CTAs on
   132 SMs); cutting each tile's query stream into parts, each writing an
   f32 partial that XLA adds, fills the chip. The real tiles are about
-  `max(seqs, kv_rows / 128)` (static estimate). H200, B=32 x 2,048
-  queries over 16 keys: forward+backward 0.315 ms with 2 parts (auto) vs
-  0.384 ms with 1 (2026-11-30)."""
+  `max(seqs, kv_rows / 128)` (static estimate). Over 16 keys 2 parts (the
+  automatic choice) run forward+backward 18% faster than 1."""
   if bs.dkv_split is not None:
     return bs.dkv_split
   tiles = max(seqs, kv_rows // DKV_ROWS, 1)
@@ -479,11 +456,9 @@ def dkv_parts(bs, seqs: int, kv_rows: int, kv_heads: int) -> int:
 # --------------------------------------------------------------------------
 # Forward and dQ: persistent CTAs over query tiles.
 
-# Q ring depth chosen when `q_stages` is None. (A fourth stage, which fits
+# Q ring depth chosen when `q_stages` is None. A fourth stage, which fits
 # beside 64-row key tiles since the output buffers share memory, measured
-# no faster: H200, 2,048 queries over 16 / 64 keys, forward 0.0817 /
-# 0.0872 ms with 4 stages in the benchmark's main phase, 0.0786 / 0.0837
-# with 3 in its variants phase, same process, 2026-12-03.)
+# no faster.
 MAX_Q_STAGES = 3
 MAX_KV_SPLIT = 3  # most key parts chosen when `kv_split` is None
 MAX_DKV_SPLIT = 4  # most query parts chosen when `dkv_split` is None
@@ -538,12 +513,8 @@ def kv_block(
   Keys of 65 to `WIDE_KV_MAX` rows get 128-row tiles in the forward: with
   two K/V stages a sequence of up to ~250 keys stays resident, and each
   step's two wgmmas are twice as long (half the waits between them and
-  the activation). H200, B=32 x 2,048 queries over 256 keys, forward,
-  same process (2026-12-03, `benchmarks/gdpa.py --phases main,variants`):
-  0.1516 ms with 128-row tiles against 0.1706 ms with 64 (streamed
-  through 2 stages), 0.1586 with 64 in 4 resident stages; in a second
-  run, with the output buffers sharing memory (`_out_buffers`), 0.1549
-  with 128-row tiles against 0.1660 with 64. The dQ kernel keeps 64 (not
+  the activation): the forward over 256 keys is 4-11% faster than with
+  64-row tiles, streamed or resident. The dQ kernel keeps 64 (not
   measured wider; by default dQ comes from `dS^T` there), and so does a
   K/V ring of more than two stages (the caller's deeper ring of 64-row
   tiles takes the same shared memory). Longer keys (pooled histories)
@@ -565,14 +536,9 @@ def kv_parts(bs, num_items: int, groups: int, kv_rows: int, seqs: int) -> int:
   a 2K history alone; splitting each tile's keys into parts gives every
   CTA work. `num_items` is the static bound on query tiles. Each part
   writes an f32 partial that XLA adds, so parts cost traffic, and past
-  `MAX_KV_SPLIT` they cost more than they spread: H200, pooled (16 queries
-  over 32 log-normal histories: 72 tiles bound, 132 workers), timed in
-  alternation with cuDNN (a development run, 2026-12-01), forward
-  35.3 / 30.3 / 33.3 us a set with 4 / 3 / 2 parts (2 K/V stages, the
-  default; 3 stages: 34.2 / 29.9 / 31.9), forward+backward (whose dQ
-  kernel splits alike) 109.4 with 4 parts and 2 stages, 95.4 / 102.7 with
-  3 / 2 parts and 3 stages. In the benchmark (its own run): forward 1.61x
-  cuDNN with 3 parts, 1.43x with 4 (an earlier day's run)."""
+  `MAX_KV_SPLIT` they cost more than they spread: on pooled attention
+  (16 queries over 32 log-normal histories) 3 parts ran the forward 9-14%
+  faster than 2 or 4."""
   if bs.kv_split is not None:
     return bs.kv_split
   workers = -(-mosaic.num_sms(bs.num_sms) // groups)
@@ -663,12 +629,9 @@ def _out_buffers(hpc, bq, h, out_dtype, full):
   it; the views of a union alias as a whole, so one union for both
   warpgroups would make each one's stores race with the other's).
   Sharing the memory is what lets 128-row key tiles keep two
-  Q stages with the swizzled store at head dim 128. H200, 256 keys,
-  2026-12-03: forward 0.1549 ms against 0.1578 with the plain buffer
-  alone (same process; in an earlier run, separate buffers and one Q
-  stage 0.1627 against plain 0.1516); the dQ kernel (dQ not from `dS^T`)
-  gets two (Q, dO) stages instead of one: fwd+bwd less fwd 0.545 against
-  0.554 ms (same process)."""
+  Q stages with the swizzled store at head dim 128 (forward 2% faster
+  than the plain buffer alone over 256 keys), and gives the dQ kernel two
+  (Q, dO) stages instead of one."""
   if not full:
     return plgpu.SMEM((hpc, bq, h), out_dtype)
   return [
@@ -863,16 +826,10 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
           return acc
 
-        # (Tried, 2026-11-30: issuing the next step's QK into a second
-        # accumulator while this step's activation runs. On the H200 at 256
-        # keys it ran 0.2097 vs 0.1670 ms: the two consumer warpgroups
+        # No overlap beyond the two consumers' own: the two warpgroups
         # already interleave one's wgmmas with the other's activation, and
-        # the extra QK and per-step waits cost more than the overlap won.
-        # Nor did forcing them to take turns, as the jagged forward does (a
-        # rendezvous after issuing QK and one before P V; 2026-12-02, timed
-        # in alternation, same outputs bit for bit): forward 0.1781 against
-        # 0.1727 ms at 256 keys, 0.0877 / 0.0820 against 0.0861 / 0.0813
-        # at 64 / 16, pooled 0.0273 both.)
+        # issuing the next step's QK early (a second accumulator) or making
+        # them take turns as the jagged forward does measured slower.
         acc = lax.fori_loop(0, steps, step, acc)
 
         @pl.when(steps == 0)
@@ -1013,11 +970,8 @@ def backward_dkv(
   `dq` (a ref of `dq_buffer`'s zeros; `backward_dkv_dq`): also add `dQ =
   dS K` into it (`dq_fused`, see there).
 
-  The four wgmmas of a step run one after the other. (Tried, H200,
-  2026-11-30, B=32 x 2,048 queries over 256 keys, backward alone: `X^T`
-  with `dP^T`, then dV with dK, each pair in flight together, the
-  activation during `dP^T`: 0.4496 vs 0.4422 ms with `dS^T` out, 0.5516
-  vs 0.5652 ms with the dQ kernel; no gain beyond noise, removed.)
+  The four wgmmas of a step run one after the other: pairing them in
+  flight (`X^T` with `dP^T`, then dV with dK) gained nothing beyond noise.
   """
   t, n, h = q.shape
   s, kh, _ = k.shape
