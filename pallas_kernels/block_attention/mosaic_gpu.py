@@ -37,10 +37,8 @@ work. Outputs leave the same way back: a whole tile through a
 swizzled buffer, a sequence's last partial tile through a plain one (the
 ladder of TMA stores starts rows anywhere; `_store_tile`). The two are
 aliased views of one buffer (`plgpu.RefUnion`). (A ring of two such
-buffers per forward warpgroup, so that a head's output is written while
-the previous head's store drains, measured the same on the H200: 0.119 /
-0.121 ms at all-2,048, 0.079 / 0.078 ms log-normal; stores do not wait
-on their staging buffer.)
+buffers per forward warpgroup measured the same: stores do not wait on
+their staging buffer.)
 
 RoPE at tile positions. RoPE makes a score depend on the two positions
 only through their difference (`(R_m q) . (R_n k) = q . R_(n-m) k`), and
@@ -93,57 +91,16 @@ landing meanwhile (see `backward`).
 Rows of the buffer tail get zeros (their tiles are computed like any other,
 on finite inputs, and multiplied by 0).
 
-Where the forward's time goes (H200, 2026-12-01, a development run on
-the benchmark's batches, four input sets per timed call, per set, timed in
-alternation): with RoPE 112.4 / 82.1 us at all-2,048 / log-normal lengths
-(72.1% / 52.8% of copy bandwidth), without 101.1 / 61.4 us (80.1% /
-70.7%), and an XLA op moving the same bytes (`q + repeat(k + v)`) 96.3 /
-52.2 us (84.1% / 83.1%), so RoPE cost about 11 / 21 us: per element the
-f32 rotation is an unpack, two multiplies and half a pack (about 3.5
-instructions, counted from the code, not read from SASS), on the
-consumers' critical path. Rotating in the input dtype instead is now the
-default (`BlockSizes.rope_f32` has its figures). The kernel before,
-rotating at sequence positions with the next query rotated while P V
-ran, measured 124.6 / 89.3 us with RoPE in an earlier run
-(2026-11-30, not timed in alternation with these).
-Moving every register pass (K, V and each query head, RoPE included) to
-a fourth warpgroup that fills tiled buffers for the two attention
-warpgroups (Q read by wgmma from shared memory; registers 160 / 168 / 24,
-no spills) measured slower in the same process (a development run,
-2026-12-01): 119.8 against 109.2 us a set at all-2,048, and 104.4
-against 98.1 us with RoPE left out: one warpgroup doing the passes one
-after another starves the two that wait on it.
-A trace of the benchmark's call (log-normal, four sets per call,
-2026-12-01) puts the forward kernel at 57.3 us a set and the work
-list's four small XLA ops at 4.6 us a call, with the kernels back to
-back. Programmatic dependent launch (`griddepcontrol` wait and launch
-at the start of both kernels, so one kernel's launch and prologue may
-overlap the previous one's tail) did not help: timed in alternation
-as the mean over one batch of 10 calls (which
-`benchmarks/common.device_time` no longer uses: a batch's fixed cost
-rides on it), forward 66.0 / 65.9 against 64.8 / 65.6 us a set,
-backward 131.6 / 131.8 against 132.8 / 131.5 (all-2,048: forward 102.1
-/ 101.0 against 101.0 / 100.8, backward 216.1 / 215.9 against 217.6 /
-218.3); not kept.
-Where the log-normal forward loses its last tenth (H200, 2026-12-02,
-timed in alternation, per set): 60.3 us with RoPE (70.6% of copy
-bandwidth), 55.2 without (77.0%), the same-bytes XLA op 48.4 (87.9%);
-at all-2,048 95.3, 92.5 and 87.0. A profile of each (`mosaic.profiling`,
-the items marked "item"; the first run after compiling, whose spans
-read about 1.7x the timed kernel, as in the jagged kernels' profiles)
-shows two fixed costs. A warpgroup's first item takes twice a later one
-(medians 17.5 against 8.6 us log-normal, 17.7 against 8.8 at
-all-2,048): every CTA asks for its first tiles at once, so the first
-math waits on the whole chip's first loads. And the tail is not
-cheaper: 1,130 items over 132 CTAs leave 74 with a ninth; the warpgroups'
-last items run 8.0 us (median) against 8.6 for all but the first,
-although fewer CTAs share the bandwidth by then (a CTA's item is
-latency-bound once the chip is not saturated); CTAs with nine items end
-at 89.1 us, with eight at 81.5.
-Both weigh more at log-normal lengths, whose CTAs walk about 9 items
-against 16. Fewer CTAs, to even out the deal, did not pay: 126 / 128 /
-120 persistent CTAs (126 deals the 565 tiles of a KV head evenly) ran
-60.3 / 59.3 / 61.7 us log-normal and 97.2 / 98.7 / 100.8 at all-2,048.
+Where the forward's time goes: RoPE is the kernel's main cost over an XLA
+op moving the same bytes (a rotation is about 3.5 instructions an element
+on the consumers' critical path), hence rotating in the input dtype
+(`BlockSizes.rope_f32`). Two fixed costs take the log-normal forward's
+last tenth: a warpgroup's first item takes twice a later one (every CTA
+asks for its first tiles at once), and the last items are not cheaper
+(latency-bound once the chip is not saturated). Tried and not kept: a
+fourth warpgroup doing every register pass (it starves the two that wait
+on it), programmatic dependent launch, and fewer persistent CTAs to even
+out the deal. The runs: docs/kernels/block_attention.md.
 """
 
 import dataclasses
@@ -170,12 +127,9 @@ class BlockSizes:
   """Settings; defaults measured on the H200.
 
   `q_stages`: query tiles in flight per forward consumer. A slot is free
-  again as soon as its tile is in registers, so one suffices: on the H200
-  (2,048-long and log-normal batches, head dim 128, RoPE) one slot ran the
-  forward kernel in 0.135 / 0.087 ms and two in 0.159 / 0.095 ms (two fill
-  224 of the 227 KiB of shared memory). With the output buffers aliased
-  (196 KiB for two slots), two still ran 0.125 / 0.081 ms against one's
-  0.119 / 0.079 ms, so shared-memory capacity was not the reason.
+  again as soon as its tile is in registers, so one suffices: two ran the
+  forward 3-18% slower, also with the output buffers aliased, so shared
+  memory capacity was not the reason.
 
   `rope_f32`: the RoPE rotation of Q and K in f32 with the table's two
   terms, or (default) in the input dtype with its high terms, with no
@@ -184,14 +138,11 @@ class BlockSizes:
   the same dtype: by default exactly as the forward did, so the scores it
   recomputes are the forward's; under `rope_f32` they differ from the
   forward's by the high terms' error (`< 2^-12` of each factor). Its
-  un-rotation of the f32 dQ and dK stays f32. On the
-  H200 (a development run, 2026-12-01, per set, timed in
-  alternation) the input dtype ran the forward in 98.5 against 106.3 us at
-  all-2,048 and 63.2 against 78.5 us log-normal (93.9 / 56.2 with RoPE
-  left out); forward+backward 578.8 against 575.6 us at all-2,048 (the
-  same, within the rounds' spread). Relative errors against the f32
-  reference, all-2,048: O 0.0038 against 0.0032, dQ / dK 0.0043 against
-  0.0036 (the rotated rows are rounded twice instead of once).
+  un-rotation of the f32 dQ and dK stays f32. The input dtype runs the
+  forward 7-20% faster (forward+backward the same), with relative errors
+  O 0.0038 against 0.0032, dQ / dK 0.0043 against 0.0036 (the rotated
+  rows are rounded twice instead of once). The runs:
+  docs/kernels/block_attention.md.
   """
 
   num_sms: int | None = None  # persistent CTAs = about this many (None:
@@ -800,25 +751,12 @@ def _launch(kernel, scratch, out_type, grid, nwg, static, args, name):
 # un-rotate, which frees half the table's shared memory (16 KiB) toward
 # the second Q and dO buffers (32 KiB): 208 KiB in all at head dim 128
 # with RoPE.
-# H200 (development runs, the benchmark's batches, backward kernel alone,
-# per set, timed in alternation): 220.0 / 133.5 us at all-2,048 /
-# log-normal lengths, against 234.6 / 140.0 us in the same run with the
-# Q relayout on warpgroup 0 (2026-12-01), and 275.5 / 166.9 us with one
-# Q and dO buffer, a barrier after every head's products and the
-# two-term table (2026-11-30). ptxas reports no spills, against 352 /
-# 468 bytes before: the two-term cos and sin had been four f32 planes in
-# registers beside the gradients. The kernel before that, one consumer
-# warpgroup holding dK, dV and dQ at once, spilled 648 / 980 bytes past
-# its 240 registers and ran 426 / 275 us. 240 registers for the
-# consumers and 24 for the producer measured no better (on the kernel
-# with the Q relayout on warpgroup 0: 231.7 / 138.7 against 234.6 /
-# 140.0 us), nor did giving warpgroup 0 more than warpgroup 1 (256 / 216
-# / 24 on the one-buffer kernel: 250.9 against 254.7 us at all-2,048,
-# more spills), nor relayouting both K and V on warpgroup 0 so the
-# tile's start is even too (216.4 / 134.5 against 217.9 / 134.1 us, with
-# 240 / 24 registers 218.3 / 134.1). Its bytes take about 130 us at copy
-# bandwidth at all-2,048 (Q, K, V, dO read and dQ, dK, dV written once:
-# 8 KiB a token).
+# This split is 5-6% faster than the Q relayout on warpgroup 0 and about
+# 20% faster than one Q and dO buffer with a barrier after every head's
+# products; ptxas reports no spills (the two-term cos and sin had spilled
+# as four f32 planes beside the gradients). 240 / 24 registers, an uneven
+# split between warpgroups 0 and 1, and both K and V relayouts on
+# warpgroup 0 measured no better (docs/kernels/block_attention.md).
 
 BWD_QD_STAGES = 1  # raw (Q, dO) slots (warpgroup 1 frees a slot right
 # after its relayouts, so the next head's load has a head's time)

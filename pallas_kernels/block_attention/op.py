@@ -24,17 +24,9 @@ same kernels under Pallas's GPU interpret mode (slow; tests only).
   Counted on the benchmark's log-normal batch (35,108 tokens in 288
   blocks): 795 query tiles reading 144,448 key rows in 64-key steps
   (188,672 in 128-key steps), where blocks that all started on the grid
-  would take 565 tiles and 71,616 rows. On the H200
-  (`benchmarks/block_attention.py --block 128`, 2026-12-03, B=32, 8 / 2
-  heads, D=128, RoPE) that is 0.256 / 0.195 ms forward at all-2,048 /
-  log-normal lengths, 0.82x / 0.63x cuDNN on the batch cut into blocks,
-  and forward+backward 1.53x / 1.06x; against the reference that ran on
-  a GPU before, 5.7x / 6.6x forward and 7.1x / 16.5x forward+backward.
-  The day's earlier runs, before RoPE at block positions: 0.277 / 0.208
-  ms forward, 0.674 / 0.566 forward+backward (64-key steps); 0.280 /
-  0.228 and 0.676 / 0.584 (128-key steps). Run to run these move by a
-  few percent; timed in alternation, RoPE at block positions was worth
-  2% of the log-normal forward (`rope_in_blocks`).
+  would take 565 tiles and 71,616 rows. So it trails cuDNN on the batch
+  cut into blocks in the forward (0.6-0.8x) and leads it in
+  forward+backward (docs/kernels/block_attention.md has the runs).
   The block kernels' design for 128 rows (two query tiles sharing two
   key tiles, a 64 x 128 score tile per warpgroup, a 128-row RoPE table)
   is not built.
@@ -106,14 +98,10 @@ def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:
 def jagged_block_sizes(h: int) -> JaggedBlockSizes:
   """The jagged kernel's settings for blocks of 128: its defaults, with
   64-key forward steps at head dim 128, which halve the side buffers and
-  the keys a block's off-grid tiles fetch past it. H200 (a development
-  run, 2026-12-03, the benchmark's log-normal batch, D=128, RoPE left
-  out, timed in alternation): forward 0.136 against 0.156 ms,
-  forward+backward 0.435 against 0.457 ms; the forward's other settings
-  (one-shot CTAs instead of persistent ones, no intra-warpgroup overlap)
-  were slower or the same (0.230 / 0.153 ms). Timed alone in that run,
-  the work list with 128-key side buffers took 39 us, XLA's RoPE (left
-  out of the figures above) 61.5 us.
+  the keys a block's off-grid tiles fetch past it: 13% faster forward,
+  5% forward+backward than 128-key steps; the forward's other settings
+  (one-shot CTAs, no intra-warpgroup overlap) were slower or the same
+  (docs/kernels/block_attention.md).
   Head dim 64 keeps the defaults (not measured; its dQ kernel's 128-key
   steps need 128-key forward steps)."""
   bs = JaggedBlockSizes.default(h)
@@ -131,13 +119,9 @@ def rope_in_blocks(offsets, block: int, theta: float, *xs_tnh):
   positions (the reference's). The cos and sin of the `block` positions
   are a constant table (numpy, float64, rounded to f32), so no row
   evaluates trigonometry. Math as `rope_reference` (f32, results in the
-  input dtype). H200 (a development run, 2026-12-03, B=32, 8 / 2 heads,
-  D=128, Q and K, per set, timed in alternation): 57.6 against 61.4 us
-  at in-sequence positions on a log-normal batch, 99.9 against 106.4 at
-  all-2,048; block attention over blocks of 128, log-normal, forward
-  0.1877 against 0.1914 ms, forward+backward 0.5357 against 0.5421.
-  What is left is mostly moving Q and K in and out: about 180 MB on the
-  log-normal batch, 43 us at that day's copy bandwidth (a count).
+  input dtype). It is 6% faster than RoPE at in-sequence positions, and
+  what is left is mostly moving Q and K in and out
+  (docs/kernels/block_attention.md).
   """
   t, _, h = xs_tnh[0].shape
   pos = positions(offsets, t) % block
