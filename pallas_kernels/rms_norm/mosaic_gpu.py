@@ -59,18 +59,15 @@ variants, one pass from registers, two-stage dgamma):
   idea (G1) reached with clamped copies. (The GPU interpreter zero-fills
   instead, so the stale-row case is covered by the `gpu` tests.)
 
-Measured on H200 (benchmarks/rms_norm.py, T=262,144, bf16, residual and
-gamma, 2026-11-30): the backward runs at 96% / 99% of the device copy
-bandwidth, 2.6x / 3.0x XLA's fused VJP; the forward at 91.0% / 92.0% of copy,
-1.22x / 1.17x XLA at D=512 / D=2048. The forward writes as many bytes as it
-reads and here a written byte costs more than a read one: the same pipeline
-copying x -> y without compute reaches 91% of XLA's copy, the backward (3
-reads, 1 write) 99%. Variants that did not pay: 2 blocks per SM and
-32 KiB tiles (`num_blocks`, `tile_bytes`), and two that were removed after
-measuring ~1% slower (H200, `benchmarks/rms_norm.py --variants`): L2 evict_first
-bulk stores and contiguous tile runs per block. Over rows of 2-4 KiB the
-forward's default is registers straight from global memory, 2 warps per row and
-2 blocks per SM instead (`_wide_rows`: 2% faster at D=2048, 7% at D=1024).
+Against the device's copy bandwidth the backward runs at 96-99% and the
+forward at about 91% (2.6-3.0x and 1.2x XLA's fused ops): the forward
+writes as many bytes as it reads, and a written byte costs more (the same
+pipeline copying x -> y without compute reaches 91% of XLA's copy). Over
+rows of 2-4 KiB the forward's default is registers straight from global
+memory, 2 warps per row and 2 blocks per SM instead (`_wide_rows`: 2-7%
+faster). Tried and not kept: 2 blocks per SM and 32 KiB tiles elsewhere,
+L2 evict_first bulk stores and contiguous tile runs per block (~1%
+slower). The runs: docs/kernels/rms_norm.md.
 
 Fused FP8 output (G4, `quantize=True`): the forward also writes `y`
 quantized for an FP8 matmul, e4m3 values `q [t, d]` and one power-of-two
@@ -90,16 +87,10 @@ bulk copy moves a multiple of 16 bytes, which a ragged tail need not be),
 transposed where `d/128` f32 are not a multiple of 16 bytes
 (`_Config.scales_transposed`). The first form (the `[m, d]` row layout,
 each block's maximum a masked reduction over the whole row, integer
-rounding) cost `O(d/128)` work per element: at T=16,384, D=4,096 its
-norm and FP8 matmul took 3.03 ms against 0.61 ms with the quantize kernel
-after the plain norm (H200, 2026-12-03, `benchmarks/fp8_matmul.py
---norm-dense`). Measured (H200, 2026-12-03, `benchmarks/rms_norm.py --fp8
---variants --ds 512,2048,4096`, T=262,144, residual and gamma, bytes of
-x, r, y, h, values and scales): 86.8% / 89.5% / 89.5% of copy at D=512 /
-2,048 / 4,096, 1.17x / 1.18x / 1.20x the plain kernel followed by the
-quantize kernel, 1.73x / 1.73x / 1.71x XLA's reference with its
-quantization; the tile settings of `FP8_VARIANTS` there within 1% (8 KiB
-tiles at D=512: 76%).
+rounding) cost `O(d/128)` work per element and ran 5x slower than the
+plain norm followed by the quantize kernel. This one reaches 87-90% of
+copy bandwidth, 1.2x the plain kernel followed by the quantize kernel and
+1.7x XLA's reference with its quantization (docs/kernels/rms_norm.md).
 """
 
 import dataclasses
@@ -160,15 +151,12 @@ class BlockSizes:
   pdl: programmatic dependent launch: the kernel may start while the
     previous kernel in the stream drains (`griddepcontrol.wait` before any
     global memory access), and lets the next one start early. `None` = on
-    in the forward (H200, timed in alternation, twice: D=512 0.2784 /
-    0.2786 ms with, 0.2792 / 0.2781 without; D=2048 1.0737 / 1.0713 with,
-    1.0707 / 1.0715 without), off in the backward (D=512: 0.2749 ms with,
-    0.2685 without, same run).
+    in the forward (within noise there), off in the backward (2% slower
+  with it at D=512).
   out_slots: SMEM buffers per output for bulk stores (a store may drain
     while `out_slots - 1` later tiles are computed); `None` = 4 in the
-    forward, 2 in the backward and the forward with FP8 output. H200 run 4,
-    D=512 forward at 2 stages: 2, 3, 4 or 6 slots 0.2803-0.2813 ms alike;
-    the gain over the earlier default (0.2894 ms) is the 2 stages. Rows too
+    forward, 2 in the backward and the forward with FP8 output (2 to 6
+  slots measured alike in the forward). Rows too
     wide for that many beside one input stage get fewer, down to one;
     wider still, `fits` is False and the op runs the reference.
   """
@@ -364,14 +352,9 @@ def _wide_rows(bs: BlockSizes, t: int, d: int, itemsize: int) -> BlockSizes:
   """The plain forward's default over 16-bit rows of 2-4 KiB: registers
   straight from global memory (direct loads and stores), 2 warps per row,
   8 KiB tiles, 2 blocks per SM, where those tiles divide `t` (else `bs`
-  unchanged: the ring). Measured on the H200 (2026-12-01, one process, two
-  passes, T=262,144 bf16 with residual and gamma, against the ring's
-  defaults): d=2048 1.089-1.090 vs 1.115-1.117 ms (94.3% vs 92.1% of
-  copy), d=1024 0.569-0.573 vs 0.608-0.610 ms. Not at d=512 (within 1%
-  either way) or d=4096 (1.116-1.121 vs 1.114-1.116 ms, T=131,072). At
-  d=2048, loading two or three tiles ahead instead of one took 1.116-1.119
-  ms; one block per SM 1.299 ms, three 1.109-1.115 ms; 4-row tiles
-  1.111-1.114 ms."""
+  unchanged: the ring). 2% faster than the ring at d=2048, 7% at d=1024,
+  the same at d=512 and d=4096; deeper lookahead, other block counts and
+  4-row tiles were slower (docs/kernels/rms_norm.md)."""
   row_bytes = d * itemsize
   rows = _WIDE_ROWS_TILE_BYTES // row_bytes
   if (
