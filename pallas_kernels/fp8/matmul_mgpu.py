@@ -29,13 +29,9 @@ operand rows per k-step for 24,576 outputs instead of 16,384 at 64 x 256,
 a third fewer bytes per FLOP from L2. The registers allow it: the
 memory warpgroup keeps 24 (`memory_registers`), which leaves each
 compute warpgroup 160 for its 64 x 128 accumulator and block product
-(128 floats). On the H200 (2026-12-02, a development run, the kernel
-alone on quantized operands, configurations timed in alternation, 9
-rounds, medians), against the two-warpgroup 64 x 256 CTA tile in 2-CTA
-clusters that was the default before: 1152 against 961 TFLOP/s at
-16384 x 4096 x 4096, 1006 against 741 at 65536 x 512 x 2048, 1032
-against 895 at 65536 x 2048 x 512; cuBLAS's FP8 GEMM with one scale
-per tensor, in the same rounds, 1093 / 971 / 1091.
+(128 floats). Against the two-warpgroup 64 x 256 CTA tile in 2-CTA
+clusters this runs 15-36% faster, ahead of cuBLAS's per-tensor FP8 GEMM
+at the wide shape (the runs of this file: docs/kernels/fp8.md).
 
 With 128 x 128 weight blocks (`b_scale_uniform`) `sb[j]` is one number per
 warpgroup tile, so it is folded into the row scales first and the promotion
@@ -71,10 +67,8 @@ warpgroup gained).
 Split-K (`splits`, `k_splits`): a product with too few output tiles to
 fill the chip, such as a weight gradient `[2048, 512]` over 65,536
 tokens (64 CTAs for 132 SMs, each 512 k-steps long), cuts the contraction
-into runs whose f32 partial tiles are summed afterwards. On the H200
-(benchmarks/fp8_matmul.py, 2026-12-01) two runs took the FP8-dW backward
-at 65536 x 2048 x 512 / 65536 x 512 x 2048 from 0.651 / 0.713 ms to
-0.539 / 0.606 ms. Those were 128 x 128 CTA tiles; since the default
+into runs whose f32 partial tiles are summed afterwards (about 15%
+faster there with 128 x 128 CTA tiles). Since the default
 became 192 x 128, the same product has 44 tiles, two runs of which
 leave a third of the SMs idle, so split-K products take whichever tile
 fills the chip better (`split_k_plan`).
@@ -88,20 +82,12 @@ writes e4m3 values and scales to shared memory
 (`quantize_mgpu.quantize_rows`), and signals the two compute warpgroups,
 which multiply as above. It pays only for narrow outputs: every 256
 output columns quantize their `a` tile again, and one quantizer
-warpgroup alone was slower than the wgmmas (H200, session 7,
-at 65536 x 2048 x 512: one quantizer 0.33 ms, two 0.24 ms, quantize pass
-+ GEMM 0.27 ms, the GEMM on pre-quantized `a` 0.16 ms; with one
-quantizer writing zeros instead of quantizing, 0.19 ms: the bf16 tiles
-and the hand-off cost too). Its results equal `scaled_matmul_mgpu`'s on
-the quantized `a` bit for bit. L2 bandwidth does not bound it: clusters
-of CTAs along M that TMA-multicast the weight tile (`cluster_m`), which
-cut a CTA's L2 reads per 64 x 256 x 128 step from 48 to 32 KiB, measured
-no faster (H200, `benchmarks/fp8_matmul.py --qgemm-sweep`, 2026-12-03,
-timed in alternation, 5 rounds): 624.8 / 608.6 TFLOP/s without / with
-2-CTA clusters at 65536 x 2048 x 512, 584.9 / 604.9 at 65536 x 512 x
-2048, 653.3 / 613.1 at 65536 x 2048 x 1024, and clusters of 4 about 330
-at all three; so the default has none. In those rounds quantize pass +
-GEMM ran 608.2 / 807.6 / 837.3 and cuBLAS bf16 731.6 / 744.8 / 788.2.
+warpgroup alone was slower than the wgmmas (two are 27% faster; the
+bf16 tiles and the hand-off cost too). Its results equal
+`scaled_matmul_mgpu`'s on the quantized `a` bit for bit. L2 bandwidth
+does not bound it: clusters of CTAs along M that TMA-multicast the
+weight tile (`cluster_m`), which cut a CTA's L2 reads per 64 x 256 x 128
+step from 48 to 32 KiB, measured no faster, so the default has none.
 `op.py` uses the kernel for products with at most
 512 output columns and a 16-bit output whose quantized `a` nothing else
 reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
@@ -111,16 +97,9 @@ Quantizing in the compute warpgroups themselves, with `a` in registers
 slower: each warpgroup loads its 64 x 128 bf16 block of the stage,
 quantizes it and issues the wgmma on the registers, with no hand-off,
 but every block is then quantized once per 128 output columns, twice as
-often as here, by the warpgroups that also promote. On the H200
-(2026-12-04, a development run of `scaled_matmul_mgpu` built that way,
-outputs bit-identical to quantize-first; 5 rounds in alternation,
-medians, us) its best of six tiles took 246.1 at 65536 x 2048 x 512,
-262.4 at 65536 x 512 x 2048 and 965.7 at 16384 x 4096 x 4096 (two
-warpgroups of 64 x 128 with 256-deep k-steps at the first and third,
-three warpgroups at the second), against this kernel's 231.2 at the
-first, quantize pass + GEMM's 226.0 / 172.0 / 491.8 and cuBLAS bf16's
-194.3 / 195.6 / 713.6. It ran at 524-569 TFLOP/s at all three shapes,
-so (an inference) the quantizing, not the shape, set its pace.
+often as here, by the warpgroups that also promote: its best tile ran
+at 524-569 TFLOP/s at every shape, 6% behind this kernel at 65536 x 2048
+x 512.
 
 Why the quantizing kernel stays short of the 1.3x forward goal at the
 narrow shapes (arithmetic on the figures above, not a measurement). The
@@ -219,11 +198,10 @@ class BlockSizes:
 # 128, three compute warpgroups stacked along M (a 192 x 128 CTA tile; see
 # the module docstring), no cluster (with three warpgroups 2-CTA clusters
 # measured no better), the grid walked in bands 8 tiles wide, the memory
-# warpgroup on 24 registers: 1211 TFLOP/s in the sweep of 2026-12-02
-# (timed in alternation), against 1168 with 40 registers, 1151 / 1144 in
-# bands 4 / 16 wide, 1085 / 1118 in clusters along N / M, 1015 for the
-# earlier default and 1071 for cuBLAS's per-tensor FP8 GEMM. For kb = 32
-# the cluster lost (372 vs 401): the promotion, not L2, bounds it.
+# warpgroup on 24 registers: 4% faster than 40 registers, 5-6% than bands
+# 4 or 16 wide, 8-12% than clusters, ahead of cuBLAS's per-tensor FP8
+# GEMM. For kb = 32 the cluster lost: the promotion, not L2, bounds it.
+# (The sweep: docs/kernels/fp8.md.)
 DEFAULT_BLOCK_SIZES = {
   128: BlockSizes(compute_wgs=3, grid_tile_width=8, memory_registers=24),
   64: BlockSizes(),
@@ -234,12 +212,9 @@ DEFAULT_BLOCK_SIZES = {
 # 1 x 128 blocks along the tokens) the promotion takes a column scale per
 # element, not one FMA: two warpgroups with two block products in flight
 # each (the promotion of one overlaps the other's wgmma) beat the three of
-# `DEFAULT_BLOCK_SIZES`. On the H200 (2026-12-04, a development run, the
-# kernel alone, in alternation): 585.8 against 699.1 us at 4096 x 4096 x
-# 16384 (the weight gradient of 16384 x 4096 x 4096), and in the split-K
-# runs of `split_k_plan` 152.0 against 173.9 us at 2048 x 512 x 65536,
-# 149.9 against 161.9 at 512 x 2048 x 65536 (against the plain 128 x 128
-# tile); 2-CTA clusters measured no better. Two stages of 256-deep k-steps
+# `DEFAULT_BLOCK_SIZES` (7-16% faster, also in split-K runs against the
+# plain 128 x 128 tile); 2-CTA clusters measured no better. Two stages of
+# 256-deep k-steps
 # are what fit beside the epilogue buffers.
 PER_ROW_B_BLOCK_SIZES = {128: BlockSizes(tile_k=256, max_concurrent_steps=2)}
 
@@ -331,11 +306,9 @@ def split_k_plan(
 
   With uniform `b` scales, a product `[2048, 512]` over 65,536 has 44 CTA
   tiles of 192 x 128 (two runs: 88 CTAs for 132 SMs) and 64 of 128 x 128
-  (128 CTAs). On the H200 (2026-12-04, a development run, the kernel alone
-  with its partial sum, 7 rounds in alternation, medians): 161.2 against
-  224.4 us at [2048, 512] and 162.6 against 228.6 at [512, 2048] over
-  65,536; 192 x 128 tiles in 4 / 8 runs took 222.4 / 173.2 and 225.9 /
-  184.5 us. The FP8 weight gradient's scales are per row (not uniform):
+  (128 CTAs): the 128 x 128 tile in two runs is 29% faster there, and
+  192 x 128 tiles in more runs did not catch up. The FP8 weight
+  gradient's scales are per row (not uniform):
   its default tile is 128 x 128 already (`PER_ROW_B_BLOCK_SIZES`)."""
   num_sms = mosaic.num_sms(num_sms)
   default = default_block_sizes(kb, jnp.float32, uniform)
@@ -459,13 +432,8 @@ def _kernel(
   # Chained pipelines: the memory warpgroup starts fetching a CTA's next
   # output tile while its compute warpgroups still work on this one (JAX's
   # "pipeline of pipelines"); otherwise each tile's pipeline drains and
-  # refills. That pays at short k: on the H200 (op defaults, same process,
-  # medians of 4 interleaved runs, 2026-11-30) 65536 x 512 x 2048 (4
-  # k-steps per tile) took 0.183 ms instead of 0.228, 65536 x 2048 x 512
-  # (16 steps) 0.154 instead of 0.162, while at 4096 (32 steps) it is
-  # slower: 0.608 vs 0.575 with chaining always second, then, with the
-  # order alternating, 0.532 / 0.591 / 0.588 / 0.576 vs 0.514 / 0.569 /
-  # 0.572 / 0.560 (kernel alone, x pre-quantized). It needs whole rings
+  # refills. That pays at short k (5-20% faster at 4-16 k-steps a tile)
+  # and is slower at 32 steps (`_CHAIN_MAX_K_STEPS`). It needs whole rings
   # per tile, and every program must own at least two tiles (one tile would
   # be both the first and the last).
   tiles = m_iters * n_iters

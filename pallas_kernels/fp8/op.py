@@ -15,9 +15,7 @@ weight gradient quantizes g and the lhs again along m, transposed, in one
 pass each: `quantize_mgpu.transpose_quantize_mgpu` reads g as it is and
 the lhs as the forward's values and scales, without writing a transpose;
 its pass over g also quantizes g along n for dX (`rows_too`), so g is
-read once for both. On the H200, 2026-12-04, a development run: 53.9
-against 63.8 us for both of g [65536, 512], 185.1 against 222.0 for
-[65536, 2048]; 47.1 and 165.9 since two warpgroups share each tile).
+read once for both (15-25% faster than two passes).
 Gradients are straight-through: the derivative of the FP8 product is taken
 as that of the exact product of its operands. The BF16 weight gradient
 reads the lhs as the caller passed it (its `source` for an `Fp8Tensor`),
@@ -65,8 +63,8 @@ from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
 
 # The default on Hopper: DeepSeek-style 1x128 / 128x128 blocks. Measured on the
-# H200 (`benchmarks/fp8_matmul.py --sweep-only`), its kernel ran at 1036-1091
-# TFLOP/s (1211 since it has three compute warpgroups, 2026-12-02) against ~400
+# H200 (`benchmarks/fp8_matmul.py --sweep-only`), its kernel ran at 1036-1211
+# TFLOP/s against ~400
 # for MXFP8's 32x32 blocks (Hopper has no block-scaled MMA,
 # so the scales are applied after every block of the contraction: 4x less often
 # with 128, and a 128x128 weight scale folds into the row scales), at the same
@@ -377,10 +375,8 @@ def _matmul_mosaic(a, b, out_dtype):
 
 # Widest product whose forward quantizes `a` in its kernel. That kernel
 # quantizes each `a` tile once per 256 output columns, the separate pass
-# once in all: on the H200 (session 7, medians of 4 interleaved runs in one
-# call) the kernel takes 0.244 ms at 65536 x 2048 x 512 against 0.269 for
-# quantize + GEMM, 0.456 vs 0.406 at N = 1024, 0.246 vs 0.244 at 65536 x
-# 512 x 2048; 0.91 vs 0.61 at 16384 x 4096 x 4096 (another call).
+# once in all: 9% faster than quantize + GEMM at 512 output columns,
+# slower at 1024 and wider (docs/kernels/fp8.md).
 QUANTIZE_IN_GEMM_MAX_N = 512
 
 

@@ -49,27 +49,18 @@ tiles need `r % 128 == 0` (else 64-row tiles are used). Shared memory:
 the Hadamard matrix only when one is applied (a smaller footprint lets more
 programs share an SM, which is what hides the memory latency here).
 
-Measured on the H200 (`benchmarks/fp8_matmul.py --quant-only`, four
-inputs per timed call, 2026-11-30; fraction of the copy bandwidth at
-16384 x 4096 / 65536 x 2048 / 65536 x 512, the records): 1x128 0.87 /
-0.89 / 0.78, 1x128 + H128 0.85 / 0.86 / 0.78, 32x32 0.82 / 0.81 / 0.76,
-32x32 + H32 0.84 / 0.88 / 0.74 (0.69 / 0.75 / 0.58 in the grid form, its
-default before). The Hadamard forms gain most from the ring, as their
-wgmma work (~17 us per SM under ~49 us of memory time at 16384 x 4096) is
-spread over four workers instead of two programs. The narrow input is
-moved in ~28 us, where launch and ramp weigh: a copy of the same size
-reaches 0.88 of the 1 GiB one. Earlier figures timed one input per call,
-which at the narrow shape timed the host's dispatch (~32 us per call).
+These reach 0.74-0.89 of the copy bandwidth. The Hadamard forms gain most
+from the ring, as their wgmma work (about a third of the memory time) is
+spread over four workers instead of two programs; the narrowest input is
+moved in ~28 us, where launch and ramp weigh. The runs behind this and the
+defaults below: docs/kernels/fp8.md.
 
 Transposed (`transpose_quantize_mgpu`, the FP8 weight gradient's operands
 with 1x128 activations: `x^T` quantized along the rows of `x`): the tile
 is transposed by the tensor cores (the identity times the tile read
-transposed, exact), from bf16 or from e4m3 values with their scales. On
-the H200 (a development run, 2026-11-30, three inputs per timed call)
-at 16384 x 4096 / 65536 x 2048 / 65536 x 512: from bf16 80 / 137 / 51 us
-(0.62 / 0.72 / 0.48 of copy) against 132 / 254 / 69 us for an XLA
-transpose then `quantize_mgpu`; from e4m3 54 / 95 / 33 us against 119 /
-225 / 63 us for dequantize, transpose, quantize.
+transposed, exact), from bf16 or from e4m3 values with their scales:
+1.4-2.4x faster than an XLA transpose then `quantize_mgpu`, or than
+dequantize, transpose, quantize.
 """
 
 import functools
@@ -85,19 +76,15 @@ from pallas_kernels.fp8 import format as fmt
 
 TILE_R = 64
 TILE_C = 128
-# Default configurations (see `quantize_mgpu`), from the H200 sweep at
-# 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`;
-# fraction of the copy bandwidth, 30 queued calls, single samples, +-5%):
+# Default configurations (see `quantize_mgpu`), the best of the H200 sweep
+# at 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`; fraction of
+# the copy bandwidth):
 #   1x128:        ring, 2 CTAs of 1 warpgroup per SM, 128-row tiles,
-#                 2 stages: 0.82 (grid form 0.80, other rings 0.73-0.80)
+#                 2 stages: 0.82
 #   1x128 + H128: ring, 1 CTA of 4 warpgroups sharing the Hadamard matrix,
-#                 1 stage, 2 output slots: 0.82 (grid form 0.69)
+#                 1 stage, 2 output slots: 0.82
 #   32x32:        grid form, 64-row tiles, 2 stages (`_BASE`): 0.73
-#                 (ring 0.72)
-#   32x32 + H32:  as 1x128 + H128 (2026-11-30 session 6, four inputs per
-#                 timed call): 0.84 at 16384 x 4096 and 0.74 at 65536 x 512
-#                 (grid form 0.68 / 0.58; 3 warpgroups 0.84 / 0.73, other
-#                 rings 0.55-0.77 / 0.49-0.69)
+#   32x32 + H32:  as 1x128 + H128: 0.84
 # `warpgroups=0` is the grid form.
 _BASE = dict(warpgroups=0, ctas_per_sm=1, tile_r=64, stages=2, out_slots=2)
 _HADAMARD_RING = dict(warpgroups=4, stages=1)
@@ -157,13 +144,8 @@ def quantize_rows(x_smem):
   The tile is loaded in the 8-bit wgmma layout, whose register groups hold
   four adjacent columns (so the e4m3 values are stored 32 bits at a time,
   not 16), and the row maxima are taken on the bf16 values (exact: |x| and
-  max lose nothing in bf16). Against the 16-bit wgmma layout with f32
-  maxima (H200, 2026-12-04, a development run, 9 rounds in alternation,
-  medians, outputs bit-identical): the quantizing GEMM 243.0 -> 227.8 us
-  at 65536 x 2048 x 512, 460.0 -> 434.4 at 65536 x 2048 x 1024, 467.9 ->
-  437.6 at 65536 x 4096 x 512, 110.8 -> 110.0 at 16384 x 4096 x 512; the
-  transposing kernel with `rows_too` 91.6 -> 88.6 us at [16384, 4096],
-  47.6 -> 46.8 at [65536, 512]."""
+  max lose nothing in bf16): up to 6% faster than the 16-bit wgmma layout
+  with f32 maxima, outputs bit-identical."""
   x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA_8BIT)
   amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
   return quantize_chunk(x.astype(jnp.float32), amax)
@@ -809,11 +791,8 @@ def transpose_quantize_mgpu(
   row_tiles, col_tiles = r // TILE_C, c // TILE_C
   # About one program per SM: a program's pipeline starts and drains once,
   # and one CTA fills an SM's shared memory anyway (the identity, two
-  # stages, two output slots: 129 KiB with bf16 input). On the H200
-  # (2026-12-04, a development run, 7 rounds in alternation, medians) one
-  # program per SM against four: bf16 [65536, 512] 34.3 against 42.5 us,
-  # [65536, 2048] 122.3 against 130.9; e4m3 [65536, 512] 23.5 against 25.9,
-  # [65536, 2048] 87.1 against 88.2 (three stages: 117.8 / 96.9 at 2,048).
+  # stages, two output slots: 129 KiB with bf16 input); up to 19% faster
+  # than four programs per SM.
   steps = _steps_per_program(
     row_tiles, col_tiles, mosaic.num_sms(num_sms), per_sm=1
   )
@@ -821,13 +800,9 @@ def transpose_quantize_mgpu(
   # a half each, behind a memory warpgroup, with three tiles in flight; a
   # transposed quantization alone is lighter work and keeps one warpgroup
   # with two (timed for e4m3 input, below; bf16 input without rows_too,
-  # which the op takes under stochastic rounding or without dX, was not).
-  # On the H200 (2026-12-04, a development run, 7 rounds in alternation,
-  # medians) two warpgroups against one, bf16 with rows_too: [65536, 2048]
-  # 165.9 against 185.4 us, [65536, 512] 47.1 against 51.7, [16384, 4096]
-  # 88.2 against 99.0 (two stages: 174.0 / 49.0 / 92.4); e4m3
-  # (requantized): [65536, 2048] 93.2 against 88.1, [16384, 4096] 46.4
-  # against 42.6.
+  # which the op takes under stochastic rounding or without dX, was not):
+  # with rows_too two warpgroups are 9-11% faster than one, for e4m3 input
+  # one is 5-8% faster than two.
   wgs, stages = (2, 3) if rows_too else (1, 2)
   kernel = functools.partial(
     _transpose_kernel,
