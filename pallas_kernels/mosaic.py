@@ -31,6 +31,54 @@ SMEM_LIMIT = SMEM_PER_BLOCK - 4 * 1024
 # no GPU says otherwise (interpret mode, lowering for CUDA on a CPU host).
 HOPPER_SMS = 132
 
+# Registers of a warp-specialized CTA (`plgpu.set_max_registers`). An SM
+# has 65,536 registers; a CTA of three warpgroups (384 threads) starts with
+# 168 a thread (65,536 / 384 rounded down to a multiple of 8), and
+# `set_max_registers` only moves registers between its warpgroups, so a
+# thread's three warpgroups share `REGISTER_BUDGET` = 3 x 168. The producer
+# only issues TMA copies and waits on barriers: it gives all but
+# `PRODUCER_REGISTERS` to the two consumers, 232 each, which hold the
+# accumulators (FlashAttention-3 splits 24 / 240 / 240, which measured no
+# better here). A single consumer beside the producer has room to spare and
+# takes `ONE_CONSUMER_REGISTERS`.
+REGISTER_BUDGET = 504
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = (REGISTER_BUDGET - PRODUCER_REGISTERS) // 2  # 232
+ONE_CONSUMER_REGISTERS = 240
+
+
+def consumer_registers(consumers: int, each: int = CONSUMER_REGISTERS) -> int:
+  """Registers a consumer warpgroup asks for: `each` beside a second
+  consumer (232 by default, 240 with FlashAttention-3's 24-register
+  producer), `ONE_CONSUMER_REGISTERS` alone."""
+  return each if consumers == 2 else ONE_CONSUMER_REGISTERS
+
+
+def producer_registers(consumers: int, each: int = CONSUMER_REGISTERS) -> int:
+  """What the producer warpgroup keeps: `REGISTER_BUDGET` less two
+  consumers' `each`, or `PRODUCER_REGISTERS` beside one consumer."""
+  return REGISTER_BUDGET - 2 * each if consumers == 2 else PRODUCER_REGISTERS
+
+
+def resolve_interpret(interpret=None):
+  """The `interpret=` setting of every op, as `plgpu.kernel` takes it
+  (`InterpretGPUParams`, or None to compile). `None` (the default):
+  compile on a GPU, GPU interpret mode elsewhere; `False`: always compile
+  (lowering for CUDA on a CPU host); `True`: interpret with the default
+  params; an `InterpretGPUParams`: interpret with those."""
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return interpret_params(interpret)
+
+
+def interpret_params(interpret):
+  """A kernel launcher's `interpret` (bool, `InterpretGPUParams` or None)
+  as `plgpu.kernel` takes it: True -> default params, False / None ->
+  None (compile), params as given."""
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  return interpret or None
+
 
 def num_sms(given: int | None = None) -> int:
   """`given`, else the SM count of this process's first device if it is a

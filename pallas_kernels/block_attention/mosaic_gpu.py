@@ -561,7 +561,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
     @pl.when(wg < nwg)
     def _consumer():
-      plgpu.set_max_registers(232 if nwg == 2 else 240, action="increase")
+      plgpu.set_max_registers(mosaic.consumer_registers(nwg), action="increase")
 
       def sync_wgs(i):
         if nwg == 2:
@@ -628,7 +628,7 @@ def forward(q, k, v, cs, items, num_real, static: _Static):
 
     @pl.when(wg == nwg)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(mosaic.producer_registers(nwg), action="decrease")
       kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
 
       def load_q(j, rows, wg_i, jj):
@@ -890,13 +890,13 @@ def backward(q, k, v, do, cs, items, num_real, static: _Static):
 
     @pl.when(wg < 2)
     def _consumers():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(mosaic.consumer_registers(2), action="increase")
       for wg_i in range(2):
         pl.when(wg == wg_i)(lambda wg_i=wg_i: run(wg_i))
 
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(mosaic.producer_registers(2), action="decrease")
       kv_buffers = (k_raw, v_raw, kv_bar, raw_free)
 
       def load_qd(rows, cnt, g):

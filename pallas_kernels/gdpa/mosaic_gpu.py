@@ -762,7 +762,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
     @pl.when(wg < hpc)
     def _consumer():
-      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      plgpu.set_max_registers(mosaic.consumer_registers(hpc), action="increase")
       head = hp * hpc + wg
 
       cols = (W_QROW, W_LO, W_HI, W_STEPS, W_REUSE, W_RELEASE)
@@ -847,7 +847,7 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
 
     @pl.when(wg == hpc)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(mosaic.producer_registers(hpc), action="decrease")
 
       def issue_kv(i, s, kv_row, total, seq):
         """Key tile i of the sequence into ring slot s (side tiles at
@@ -1023,7 +1023,9 @@ def backward_dkv(
     def _work():
       @pl.when(wg < wgs)
       def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(
+          mosaic.consumer_registers(wgs), action="increase"
+        )
         k_smem = k_smem2.at[wg]
         v_smem = v_smem2.at[wg]
         base = mosaic.aligned(kv_row + wg * bkv)
@@ -1162,7 +1164,9 @@ def backward_dkv(
 
       @pl.when(wg == wgs)
       def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(
+          mosaic.producer_registers(wgs), action="decrease"
+        )
 
         def issue(j, slot):
           head, tile = coords(j)
@@ -1306,7 +1310,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
 
     @pl.when(wg < hpc)
     def _consumer():
-      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      plgpu.set_max_registers(mosaic.consumer_registers(hpc), action="increase")
       head = hp * hpc + wg
       cols = (W_QROW, W_LO, W_HI, W_STEPS) + (W_PART,) * (parts > 1)
 
@@ -1342,7 +1346,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
 
     @pl.when(wg == hpc)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(mosaic.producer_registers(hpc), action="decrease")
       cols = (W_KVROW, W_STEPS, W_TOTAL, W_SEQ, W_FIRST, W_TILE)
 
       def body(j, carry):

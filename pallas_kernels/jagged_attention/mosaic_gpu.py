@@ -160,8 +160,9 @@ class BlockSizes:
   # reduce-add bytes, one rounding per key tile; `backward_dkv_dq`)
   bwd_pipeline: bool = True  # backward: two wgmmas in flight per wait
   # (`_two_matmuls`, `mosaic.accumulate_many`)
-  bwd_registers: int = 232  # backward consumers' registers (the producer
-  # gets 504 - 2x this: 40, or 24 with FA3's 240)
+  bwd_registers: int = mosaic.CONSUMER_REGISTERS  # backward consumers'
+  # registers (the producer gets `mosaic.REGISTER_BUDGET` - 2x this: 40, or
+  # 24 with FA3's 240)
   fold_heads: bool = True  # non-causal short query sides: heads into rows
   num_sms: int | None = None  # persistent CTAs = about this many (None:
   # the GPU's SMs, `mosaic.num_sms`)
@@ -183,7 +184,8 @@ class BlockSizes:
     for name in ("q_deal_swaps", "kv_deal_swaps"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-    if self.bwd_registers % 8 or not 232 <= self.bwd_registers <= 240:
+    lo, hi = mosaic.CONSUMER_REGISTERS, mosaic.ONE_CONSUMER_REGISTERS
+    if self.bwd_registers % 8 or not lo <= self.bwd_registers <= hi:
       raise ValueError("bwd_registers must be 232 or 240")
 
   @staticmethod
@@ -696,7 +698,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
     @pl.when(wg < hpc)
     def _compute():
-      plgpu.set_max_registers(232 if hpc == 2 else 240, action="increase")
+      plgpu.set_max_registers(mosaic.consumer_registers(hpc), action="increase")
       head = hp * hpc + wg
 
       q_smem = q_smem2.at[wg]
@@ -948,7 +950,7 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
 
     @pl.when(wg == hpc)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(mosaic.producer_registers(hpc), action="decrease")
       _kv_producer(
         n_items,
         item,
@@ -1138,7 +1140,7 @@ def backward_dq(
 
     @pl.when(wg < hpc)
     def _compute():
-      regs = bs.bwd_registers if hpc == 2 else 240
+      regs = mosaic.consumer_registers(hpc, bs.bwd_registers)
       plgpu.set_max_registers(regs, action="increase")
       head = hp * hpc + wg
       q_smem = q_smem2.at[wg]
@@ -1246,7 +1248,7 @@ def backward_dq(
 
     @pl.when(wg == hpc)
     def _memory():
-      regs = 504 - 2 * bs.bwd_registers if hpc == 2 else 40
+      regs = mosaic.producer_registers(hpc, bs.bwd_registers)
       plgpu.set_max_registers(regs, action="decrease")
       _kv_producer(
         n_items,
@@ -1439,7 +1441,9 @@ def backward_dkv(
 
     @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(bs.bwd_registers, action="increase")
+      plgpu.set_max_registers(
+        mosaic.consumer_registers(wgs, bs.bwd_registers), action="increase"
+      )
       k_smem = k_smem2.at[wg]
       v_smem = v_smem2.at[wg]
       bar = kv_bar.at[wg]
@@ -1626,7 +1630,9 @@ def backward_dkv(
 
     @pl.when(wg == wgs)
     def _memory():
-      plgpu.set_max_registers(504 - 2 * bs.bwd_registers, action="decrease")
+      plgpu.set_max_registers(
+        mosaic.producer_registers(wgs, bs.bwd_registers), action="decrease"
+      )
 
       def body(j, base_step):
         _, fields, total = item(j)
