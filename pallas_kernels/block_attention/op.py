@@ -36,10 +36,9 @@ import dataclasses
 import functools
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch, schedule
+from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.block_attention import mosaic_gpu as mg
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
@@ -207,10 +206,7 @@ def block_attention_mosaic(
       block_sizes=jagged_block_sizes(h),
       interpret=interpret,
     )
-  if interpret is None and jax.default_backend() != "gpu":
-    interpret = plgpu.InterpretGPUParams()
-  elif interpret is False:
-    interpret = None
+  interpret = mosaic.resolve_interpret(interpret)
   # Head dim 64: the kernels rotate halves of 64 columns; rotate in XLA.
   fused_rope = rope is not None and h == 2 * mg.PART
   q_tnh, k_tkh, offsets, _ = _prepare(

@@ -942,9 +942,7 @@ def quantizing_matmul_mgpu(
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
-    interpret=(
-      plgpu.InterpretGPUParams() if interpret is True else interpret or None
-    ),
+    interpret=mosaic.interpret_params(interpret),
     **cluster,
   )(a_mk, b_nk.astype(jnp.float8_e4m3fn), sb_Jn.astype(jnp.float32))
 
@@ -1037,7 +1035,7 @@ def scaled_matmul_mgpu(
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
-    interpret=plgpu.InterpretGPUParams() if interpret else None,
+    interpret=mosaic.interpret_params(interpret),
     **cluster,
   )(
     a_mk.astype(jnp.float8_e4m3fn),

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import format as fmt
 from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
 from pallas_kernels.fp8 import reference as ref
@@ -115,10 +115,6 @@ def _matmul_xla(a, b, out_dtype):
   )
 
 
-def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
-
-
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
@@ -153,7 +149,7 @@ def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
       hadamard=hadamard,
       hadamard_seed=hadamard_seed,
       sr=sr,
-      interpret=_interpret(),
+      interpret=mosaic.resolve_interpret(),
       n_cols=c,
     )
     s = se[:, ::br].T  # [rows_p / br, cp / bc]
@@ -217,7 +213,7 @@ def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
       for s in scales
     ]
     v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
-      x, *sx, interpret=_interpret(), rows_too=rows_too
+      x, *sx, interpret=mosaic.resolve_interpret(), rows_too=rows_too
     )
     out = (v[:c, :r], se.T[:c, : -(-r // tile)])
     if rows_too:
@@ -318,7 +314,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     kw = dict(
       out_dtype=out_dtype,
       block_sizes=bs,
-      interpret=_interpret(),
+      interpret=mosaic.resolve_interpret(),
       b_scale_uniform=uniform(bs),
     )
     if quantize_a:

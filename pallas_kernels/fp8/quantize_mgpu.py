@@ -491,7 +491,7 @@ def quantize_mgpu(
   )
   row_tiles, col_tiles = r // tile_r, c // TILE_C
   num_sms = mosaic.num_sms(num_sms)
-  interp = plgpu.InterpretGPUParams() if interpret else None
+  interp = mosaic.interpret_params(interpret)
   if cfg["warpgroups"]:
     return _ring_call(
       x_rc,
@@ -843,6 +843,6 @@ def transpose_quantize_mgpu(
       *slots,
       plgpu.Barrier(num_barriers=1),
     ),
-    interpret=plgpu.InterpretGPUParams() if interpret else None,
+    interpret=mosaic.interpret_params(interpret),
     **threads,
   )(x_rc, eye, sx)

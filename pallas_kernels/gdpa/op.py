@@ -11,7 +11,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch, mosaic, schedule
@@ -180,10 +179,7 @@ def gdpa_mosaic(
     raise ValueError(f"mosaic gdpa: {why}")
   check_offsets(q_offsets, t, "q_offsets", max_len_q)
   check_offsets(kv_offsets, s, "kv_offsets", max_len_kv)
-  if interpret is None and jax.default_backend() != "gpu":
-    interpret = plgpu.InterpretGPUParams()
-  elif interpret is False:
-    interpret = None
+  interpret = mosaic.resolve_interpret(interpret)
   bs = block_sizes or BlockSizes()
   static = mg._Static(
     activation=activation,

@@ -9,7 +9,6 @@ interpret mode (slow; tests only). See `mosaic_gpu.py` for the technique.
 import functools
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch, mosaic, schedule
@@ -138,10 +137,7 @@ def jagged_attention_mosaic(
   check_offsets(q_offsets, t, "q_offsets", max_len_q)
   check_offsets(kv_offsets, s, "kv_offsets", max_len_kv)
   check_window(window)
-  if interpret is None and jax.default_backend() != "gpu":
-    interpret = plgpu.InterpretGPUParams()
-  elif interpret is False:  # compile even off-GPU (cross-lowering checks)
-    interpret = None
+  interpret = mosaic.resolve_interpret(interpret)
   bs = block_sizes or BlockSizes.default(h)
   static = mg._Static(
     causal=causal,

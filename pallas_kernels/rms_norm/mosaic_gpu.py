@@ -276,7 +276,7 @@ class _Config:
   warps_per_row: int
   stages: int
   num_blocks: int
-  interpret: bool
+  interpret: plgpu.InterpretGPUParams | None  # `mosaic.interpret_params`
   direct_stores: bool = False
   quantize: bool = False  # forward: also e4m3 values + 1x128 block scales
   direct_loads: bool = False
@@ -840,7 +840,7 @@ def _call(kernel, cfg: _Config, out_type, n_in, n_out, extra_scratch, *args):
       f"{'_dl' if cfg.direct_loads else '_ds' if cfg.direct_stores else ''}"
       f"{'_pdl' if cfg.pdl else ''}"
     ),
-    interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    interpret=mosaic.interpret_params(cfg.interpret),
   )
   return fn(*args)
 

@@ -21,8 +21,9 @@ import functools
 import math
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import Fp8Tensor
 from pallas_kernels.rms_norm import mosaic_gpu
 from pallas_kernels.rms_norm.reference import (
@@ -37,7 +38,7 @@ class _Static:
   eps: float
   fwd_block_sizes: mosaic_gpu.BlockSizes | None
   bwd_block_sizes: mosaic_gpu.BlockSizes | None
-  interpret: bool
+  interpret: plgpu.InterpretGPUParams | None  # `mosaic.resolve_interpret`
   has_residual: bool
   quantize: bool = False  # fused 1x128 FP8 output of the forward
 
@@ -99,7 +100,7 @@ def rms_norm_mosaic(
   quantize=None,
   fwd_block_sizes: mosaic_gpu.BlockSizes | None = None,
   bwd_block_sizes: mosaic_gpu.BlockSizes | None = None,
-  interpret: bool | None = None,
+  interpret=None,
 ):
   """RMSNorm through the Mosaic GPU kernels (GPU interpret mode on CPU)."""
   q = as_fp8_output(quantize)
@@ -114,8 +115,7 @@ def rms_norm_mosaic(
   )
   if not fits:
     return rms_norm_reference(x, gamma, residual, eps=eps, quantize=q)
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+  interpret = mosaic.resolve_interpret(interpret)
   fused = (
     q is not None
     and q.activation_block == (1, mosaic_gpu.QUANT_BLOCK)
