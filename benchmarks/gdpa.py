@@ -70,10 +70,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from pallas_kernels import schedule
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.op import gdpa_mosaic
 from pallas_kernels.gdpa.reference import apply_activation, gdpa_reference
-from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 
 B, LQ, N, KH, D = 32, 2048, 8, 2, 128
 KV_LENS = (16, 64, 256)
@@ -445,14 +445,14 @@ def plan_fn(ctx):
   bkv = mg.kv_block(ctx["max_kv"])
 
   def plan(q, k, v, do):
-    items, _ = jmg.query_items(
+    items, _ = schedule.query_items(
       ctx["q_off"], ctx["kv_off"], ctx["t"], block_q=64, block_kv=bkv,
       causal=False,
     )  # fmt: skip
     return (
       items,
-      jmg.side_tiles(k, ctx["kv_off"], bkv),
-      jmg.side_tiles(v, ctx["kv_off"], bkv),
+      schedule.side_tiles(k, ctx["kv_off"], bkv),
+      schedule.side_tiles(v, ctx["kv_off"], bkv),
     )
 
   return jax.jit(plan)

@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from pallas_kernels import mosaic
+from pallas_kernels import mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.jagged_attention.reference import (
@@ -342,10 +342,10 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
   s = sets[0][1].shape[0]
 
   def prep(q, k, v, do):
-    items, sched = mg.query_items(
+    items, sched = schedule.query_items(
       q_off, kv_off, t, block_q=bs.block_q, block_kv=bs.block_kv, causal=False
     )
-    items_kv = mg.key_items(
+    items_kv = schedule.key_items(
       q_off,
       kv_off,
       s,
@@ -354,7 +354,7 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       block_kv=2 * bs.block_kv_dkv,
       causal=False,
     )
-    side = [mg.side_tiles(x, kv_off, bs.block_kv) for x in (k, v)]
+    side = [schedule.side_tiles(x, kv_off, bs.block_kv) for x in (k, v)]
     o, lse = mg.forward(q, k, v, *side, items, static)
     _, delta = mg.backward_dq(q, k, v, *side, o, do, lse, items, static)
     return dict(
@@ -399,10 +399,10 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
 
   def t_sched(x, p):
     q, k, v, _ = x
-    items, _ = mg.query_items(
+    items, _ = schedule.query_items(
       q_off, kv_off, t, block_q=bs.block_q, block_kv=bs.block_kv, causal=False
     )
-    side = [mg.side_tiles(z, kv_off, bs.block_kv) for z in (k, v)]
+    side = [schedule.side_tiles(z, kv_off, bs.block_kv) for z in (k, v)]
     return items, side
 
   # The default backward's kernels only (the other's are in the notes).

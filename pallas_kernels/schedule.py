@@ -35,14 +35,28 @@ list out zig-zag (`zigzag_assignment`, G2): SM `w` takes items `w`,
 `2W - 1 - w`, `2W + w`, ..., so every SM gets one long and one short item per
 round.
 
+The second half of this module is the attention kernels' tiling on the
+8-aligned row grid of the packed buffers: the work items of the forward /
+dQ kernels (`query_items`, columns `QueryItem`) and of the dK/dV kernels
+(`key_items`, columns `KeyItem`), the zero-filled first and last tiles of
+each sequence (`side_tiles`) and the kernel-side load that picks between
+them and the packed buffer (`load_kv_tile`), and the deal of the items
+over persistent CTAs (`deal_items`). Jagged attention and GDPA share them.
+
 Shapes (legend): `b` sequences, `i` items (`max_items`).
 """
 
+import enum
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import mosaic
 
 
 class TileSchedule(NamedTuple):
@@ -386,3 +400,313 @@ def pair_swaps(dealt, counts, cost, rounds: int = 1):
       jnp.where(here, m[partner, theirs][:, None], m) for m in (dealt, c)
     )
   return dealt
+
+
+# --------------------------------------------------------------------------
+# Attention tiling on the 8-aligned row grid (jagged attention, GDPA).
+#
+# Every sequence is cut into tiles on the 8-aligned row grid of the packed
+# buffer (tiled TMA needs a window's first row on a multiple of 8): tile `f`
+# of sequence `j` covers packed rows `off_j - lead_j + f * block ...` with
+# `lead_j = off_j % 8`. Only the first and last tile hold rows of other
+# sequences; `side_tiles` copies those two of every sequence into a
+# zero-filled buffer that the kernels load instead (`load_kv_tile`), so no
+# score needs a boundary mask (`jagged_attention/mosaic_gpu.py` has the
+# math). The work items below are the tiles that hold rows, one table row
+# each, in cost order (`jagged_tile_schedule`).
+
+
+class QueryItem(enum.IntEnum):
+  """Columns of a `query_items` row (the forward and dQ kernels, GDPA)."""
+
+  ROW = 0  # first packed row of the (aligned) query tile
+  LO = 1  # valid rows [LO, HI) of the tile
+  HI = 2
+  POS = 3  # position of tile row 0 in its sequence (< 0 in the lead rows)
+  KV_ROW = 4  # first packed row of the sequence's aligned key grid
+  KV_LEN = 5  # key length
+  KV_LEAD = 6  # key lead rows
+  STEPS = 7  # key tiles visited
+  KV_TILES = 8  # key tiles in the sequence's grid
+  SEQ = 9  # sequence
+  TILE_ID = 10  # the tile's id in the schedule (sequence-major)
+  FIRST = 11  # first key tile visited (0 unless a window: window_tile_range)
+
+
+class KeyItem(enum.IntEnum):
+  """Columns of a `key_items` row (the dK/dV kernels)."""
+
+  ROW = 0  # first packed row of the (aligned) key tile
+  LO = 1  # valid rows [LO, HI) of the tile
+  HI = 2
+  POS = 3  # position of tile row 0 in its sequence
+  Q_ROW = 4  # first packed row of the sequence's aligned query grid
+  Q_LEAD = 5  # query lead rows
+  FIRST = 6  # first query tile visited
+  STEPS = 7  # query tiles visited per head
+  MASKED = 8  # of those (from FIRST), how many need the causal mask (with a
+  # window: all of them, the window's)
+  Q_TILE_START = 9  # forward tile id of the sequence's query tile 0
+  SEQ = 10  # sequence
+  TILE = 11  # tile index in the sequence's key grid
+  TILES = 12  # tiles in that grid (the fused backward loads the first and
+  # last from the side tiles)
+
+
+# `deal_items` reads either table's valid rows and steps.
+assert (QueryItem.LO, QueryItem.HI, QueryItem.STEPS) == (
+  KeyItem.LO,
+  KeyItem.HI,
+  KeyItem.STEPS,
+)
+
+
+def seq_tables(offsets, capacity, other_offsets):
+  """Extended offsets of the tiled side (+ tail pseudo-sequence) and of the
+  other side (the pseudo-sequence gets length 0)."""
+  off = extend_offsets(offsets, capacity)
+  other = jnp.asarray(other_offsets, jnp.int32)
+  other = jnp.concatenate([other, other[-1:]])
+  return off, other
+
+
+def window_tile_range(pos, lo, hi, other_len, other_lead, block, window,
+                      causal=None):  # fmt: skip
+  """(first, count) of the other side's `block`-row tiles (on its sequence's
+  aligned grid, `other_lead` rows before position 0) that hold a position
+  within `window` of one of a tile's valid rows `[lo, hi)` (row 0 at
+  position `pos`); count 0 when none does. `causal`: None, or which side
+  of the rows the other side must lie, "before" (keys seen by query rows)
+  or "after" (queries that see key rows)."""
+  first_pos = jnp.maximum(pos + lo - window, 0)
+  last_pos = jnp.minimum(pos + hi - 1 + window, other_len - 1)
+  if causal == "before":
+    last_pos = jnp.minimum(last_pos, pos + hi - 1)
+  elif causal == "after":
+    first_pos = jnp.maximum(first_pos, pos + lo)
+  first = lax.div(first_pos + other_lead, block)
+  end = lax.div(jnp.maximum(last_pos, 0) + other_lead, block) + 1
+  ok = (hi > lo) & (last_pos >= first_pos)
+  return first, jnp.where(ok, end - first, 0)
+
+
+def _tile_schedule(offsets, rows, block, per_tile, tile_steps, seq_steps):
+  """`jagged_tile_schedule` of a kernel's tiles, ordered by cost:
+  each tile's steps (`tile_steps(seq, tile)`) plus one for its loads and
+  stores when `per_tile` (a mask makes tiles of a sequence differ), else
+  its sequence's (`seq_steps[seq]`, the same for all its tiles)."""
+  if per_tile:
+    cost = {"cost": lambda a, b: tile_steps(a, b) + 1}
+  else:
+    cost = {"seq_cost": lambda a: seq_steps[a] + 1}
+  return jagged_tile_schedule(offsets, rows, block, align=mosaic.ALIGN, **cost)
+
+
+def query_items(
+  q_offsets, kv_offsets, t, *, block_q, block_kv, causal, window=None
+):
+  """Items of the forward and dQ kernels: one per 64-row query tile.
+
+  Returns (`int32[i, 12]` table, columns `QueryItem`, and the schedule).
+  """
+  q_off, kv_off = seq_tables(q_offsets, t, kv_offsets)
+  q_len_b = q_off[1:] - q_off[:-1]
+  kv_len_b = kv_off[1:] - kv_off[:-1]
+  q_lead_b = lead_rows(q_off[:-1], mosaic.ALIGN)
+  kv_lead_b = lead_rows(kv_off[:-1], mosaic.ALIGN)
+  kv_total_b = jnp.where(
+    kv_len_b > 0, pl.cdiv(kv_len_b + kv_lead_b, block_kv), 0
+  )
+
+  def geometry(seq, tile):
+    q_pos = tile * block_q - q_lead_b[seq]
+    lo = jnp.clip(-q_pos, 0, block_q)
+    hi = jnp.clip(q_len_b[seq] - q_pos, 0, block_q)
+    total = kv_total_b[seq]
+    first = jnp.zeros_like(tile)
+    if window is not None:
+      first, steps = window_tile_range(
+        q_pos, lo, hi, kv_len_b[seq], kv_lead_b[seq], block_kv, window,
+        "before" if causal else None,
+      )  # fmt: skip
+    elif causal:
+      last = q_pos + hi - 1  # position of the last valid row
+      steps = jnp.minimum(total, (last + kv_lead_b[seq]) // block_kv + 1)
+      steps = jnp.where(hi > lo, jnp.maximum(steps, 0), 0)
+    else:
+      steps = total
+    return q_pos, lo, hi, steps, first
+
+  # Without a mask every query tile visits all its sequence's key tiles.
+  sched = _tile_schedule(
+    q_offsets, t, block_q, causal or window is not None,
+    lambda s, i: geometry(s, i)[3], kv_total_b,
+  )  # fmt: skip
+  seq, tile = sched.seq_i, sched.tile_i
+  q_pos, lo, hi, steps, first = geometry(seq, tile)
+  valid = sched.valid_i
+  cols = {
+    QueryItem.ROW: q_off[seq] - q_lead_b[seq] + tile * block_q,
+    QueryItem.LO: jnp.where(valid, lo, 0),
+    QueryItem.HI: jnp.where(valid, hi, 0),
+    QueryItem.POS: q_pos,
+    QueryItem.KV_ROW: kv_off[seq] - kv_lead_b[seq],
+    QueryItem.KV_LEN: kv_len_b[seq],
+    QueryItem.KV_LEAD: kv_lead_b[seq],
+    QueryItem.STEPS: jnp.where(valid, steps, 0),
+    QueryItem.KV_TILES: kv_total_b[seq],
+    QueryItem.SEQ: seq,
+    QueryItem.TILE_ID: sched.tile_id_i,
+    QueryItem.FIRST: first,
+  }
+  table = jnp.stack([cols[c] for c in QueryItem], axis=1).astype(jnp.int32)
+  return table, sched
+
+
+def key_items(
+  q_offsets,
+  kv_offsets,
+  s,
+  q_tile_start_b,
+  *,
+  block_q,
+  block_kv,
+  causal,
+  window=None,
+):
+  """Items of the dK/dV kernel: one per `block_kv`-row key tile.
+
+  Returns `int32[i, 13]`, columns `KeyItem`.
+  """
+  kv_off, q_off = seq_tables(kv_offsets, s, q_offsets)
+  q_len_b = q_off[1:] - q_off[:-1]
+  kv_len_b = kv_off[1:] - kv_off[:-1]
+  q_lead_b = lead_rows(q_off[:-1], mosaic.ALIGN)
+  kv_lead_b = lead_rows(kv_off[:-1], mosaic.ALIGN)
+  n_q_b = jnp.where(q_len_b > 0, pl.cdiv(q_len_b + q_lead_b, block_q), 0)
+  n_kv_b = pl.cdiv(kv_len_b + kv_lead_b, block_kv)
+
+  def geometry(seq, tile):
+    kv_pos = tile * block_kv - kv_lead_b[seq]
+    lo = jnp.clip(-kv_pos, 0, block_kv)
+    hi = jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv)
+    n_q = n_q_b[seq]
+    lead = q_lead_b[seq]
+    if window is not None:  # every step masked
+      first, steps = window_tile_range(
+        kv_pos, lo, hi, q_len_b[seq], lead, block_q, window,
+        "after" if causal else None,
+      )  # fmt: skip
+      return kv_pos, lo, hi, first, steps, steps
+    if causal:
+      # First query tile holding a position >= this tile's first key; tiles
+      # starting before its last key need the mask.
+      first = jnp.clip((kv_pos + lo + lead) // block_q, 0, n_q)
+      masked_end = jnp.clip(pl.cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q)
+      n_masked = jnp.maximum(masked_end - first, 0)
+    else:
+      first = jnp.zeros_like(tile)
+      n_masked = jnp.zeros_like(tile)
+    return kv_pos, lo, hi, first, n_q - first, n_masked
+
+  # Without a mask every key tile visits all its sequence's query tiles.
+  sched = _tile_schedule(
+    kv_offsets, s, block_kv, causal or window is not None,
+    lambda a, b: geometry(a, b)[4], n_q_b,
+  )  # fmt: skip
+  seq, tile = sched.seq_i, sched.tile_i
+  kv_pos, lo, hi, first, steps, n_masked = geometry(seq, tile)
+  valid = sched.valid_i
+  q_seq = jnp.minimum(seq, q_tile_start_b.shape[0] - 1)
+  cols = {
+    KeyItem.ROW: kv_off[seq] - kv_lead_b[seq] + tile * block_kv,
+    KeyItem.LO: jnp.where(valid, lo, 0),
+    KeyItem.HI: jnp.where(valid, hi, 0),
+    KeyItem.POS: kv_pos,
+    KeyItem.Q_ROW: q_off[seq] - q_lead_b[seq],
+    KeyItem.Q_LEAD: q_lead_b[seq],
+    KeyItem.FIRST: first,
+    KeyItem.STEPS: jnp.where(valid, steps, 0),
+    KeyItem.MASKED: n_masked,
+    KeyItem.Q_TILE_START: q_tile_start_b[q_seq],
+    KeyItem.SEQ: seq,
+    KeyItem.TILE: tile,
+    KeyItem.TILES: n_kv_b[seq],
+  }
+  return jnp.stack([cols[c] for c in KeyItem], axis=1).astype(jnp.int32)
+
+
+def side_tiles(x_skh, kv_offsets, block_kv):
+  """First and last key tile of each sequence, zero outside: `[b+1,2,m,k,h]`.
+
+  Tile `f` of sequence `j` starts at packed row
+  `kv_offsets[j] - lead_j + f * block_kv` (8-aligned grid); its rows outside
+  the sequence are zero. Entry `b` (buffer-tail pseudo-sequence) is zeros.
+  """
+  kv_off = jnp.asarray(kv_offsets, jnp.int32)
+  kv_off = jnp.concatenate([kv_off, kv_off[-1:]])
+  length = kv_off[1:] - kv_off[:-1]
+  lead = lead_rows(kv_off[:-1], mosaic.ALIGN)
+  total = jnp.maximum(pl.cdiv(length + lead, block_kv), 1)
+  first_pos = jnp.stack([-lead, (total - 1) * block_kv - lead], axis=1)
+  pos = first_pos[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)
+  valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]
+  idx = jnp.where(valid, kv_off[:-1, None, None] + pos, 0)
+  return jnp.where(valid[..., None, None], x_skh[idx], 0).astype(x_skh.dtype)
+
+
+def deal_items(
+  items,
+  groups: int,
+  persistent: bool,
+  num_sms: int | None,
+  swaps: int = 0,
+  steps_per_item=1,
+):
+  """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
+  turns per CTA) for a kernel over a `query_items` or `key_items` table
+  (items without valid rows come last). Persistent: about `num_sms` CTAs
+  (`mosaic.num_sms`) over all `groups`, each walking the longest-first list
+  dealt zig-zag (`deal`), then `swaps` rounds of `pair_swaps`; otherwise
+  one CTA per item."""
+  num_items = items.shape[0]
+  real = items[:, QueryItem.HI] > items[:, QueryItem.LO]
+  if not persistent:
+    dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    return num_items, dealt, real.astype(jnp.int32)
+  workers = persistent_workers(groups, mosaic.num_sms(num_sms), num_items)
+  num_real = jnp.sum(real).astype(jnp.int32)
+  dealt, counts = deal(num_items, num_real, workers, 1)
+  if swaps:
+    # Cost of an item: its steps (times the heads it walks in the dK/dV
+    # kernel) plus one for its loads and stores.
+    cost = items[:, QueryItem.STEPS] * steps_per_item + 1
+    dealt = pair_swaps(dealt, counts, cost, swaps)
+  return workers, dealt, counts
+
+
+def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
+  """In a kernel: TMA of key/value tile `i` of an item (`(first packed
+  row, _, tiles of the sequence's grid, sequence)`) into `dst`: the first
+  and last tile of a sequence from its zero-filled side buffer
+  (`side_tiles`), the others straight from the packed buffer. `split > 1`:
+  the grid and side tiles are `split * bkv` rows and tile `i` is part
+  `i % split` of grid tile `i // split` (the jagged dQ kernel's 64-key
+  steps on the forward's tables).
+  """
+  kv_row, _, kv_total, seq = item
+  big = lax.div(i, split) if split > 1 else i
+  from_side = (big == 0) | (big == kv_total - 1)
+
+  @pl.when(from_side)
+  def _():
+    which = jnp.where(big == 0, 0, 1)
+    rows = slice(None)
+    if split > 1:
+      rows = pl.ds(pl.multiple_of(lax.rem(i, split) * bkv, bkv), bkv)
+    plgpu.copy_gmem_to_smem(side.at[seq, which, rows, kv_head], dst, bar)
+
+  @pl.when(jnp.logical_not(from_side))
+  def _():
+    rows = pl.ds(mosaic.aligned(kv_row + i * bkv), bkv)
+    plgpu.copy_gmem_to_smem(ref.at[rows, kv_head], dst, bar)

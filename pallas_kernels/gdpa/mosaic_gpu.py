@@ -34,9 +34,8 @@ CTAs (one per query tile) mostly wait on their own loads. So:
    CTA. Each worker's items are gathered into one table row per item
    (`work_table`, XLA) and read one item ahead, so no dependent global
    loads sit at the head of a tile.
-2. Skip empty tiles: the work list is `jagged_attention.mosaic_gpu
-   .query_items` (built from `pallas_kernels.schedule` on device inside
-   `jit`), which holds only tiles with rows, longest first.
+2. Skip empty tiles: the work list is `schedule.query_items` (built on
+   device inside `jit`), which holds only tiles with rows, longest first.
 3. Deal zig-zag across SMs: the sorted list is cut into chunks of
    `deal_chunk` consecutive tiles (consecutive tiles are usually one
    sequence, so resident keys get reused) and chunks are dealt with
@@ -146,7 +145,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic, schedule
-from pallas_kernels.jagged_attention import mosaic_gpu as jmg
+from pallas_kernels.schedule import QueryItem
 
 # tanh(u) ~ u (c0 + c1 u^2 + c2 u^4) on |u| <= TANH_POLY_RANGE (module doc).
 TANH_POLY = (0.9969966957, -0.3073168678, 0.0722663395)
@@ -313,7 +312,7 @@ def key_items(
   first query tile (`q_tile_start`: the query schedule's `tile_start_b`;
   0 without it).
   """
-  kv_off, q_off = jmg.seq_tables(kv_offsets, s, q_offsets)
+  kv_off, q_off = schedule.seq_tables(kv_offsets, s, q_offsets)
   q_len_b = q_off[1:] - q_off[:-1]
   kv_len_b = kv_off[1:] - kv_off[:-1]
   q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
@@ -553,7 +552,7 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
   """Per-worker work: `int32[w, j, 13]` (columns `W_*`), real items per
   worker.
 
-  `items` (`jagged_attention.mosaic_gpu.query_items`, sorted) become
+  `items` (`schedule.query_items`, sorted) become
   `parts` items each (key tiles `[p * steps // parts, (p + 1) * steps //
   parts)`), re-sorted by their key tiles; chunks of `chunk` are dealt
   zig-zag (`schedule.deal`), and each worker's rows are gathered here, with
@@ -561,7 +560,7 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
   (no dependent loads) one item ahead.
   """
   num = items.shape[0]
-  steps = items[:, 7]
+  steps = items[:, QueryItem.STEPS]
   part = jnp.arange(parts, dtype=jnp.int32)[:, None]
   first = part * steps // parts
   count = (part + 1) * steps // parts - first
@@ -569,8 +568,10 @@ def work_table(items, num_real, parts: int, workers: int, chunk: int, mcs):
   def rep(c):
     return jnp.broadcast_to(items[:, c], (parts, num))
 
-  cols = [rep(0), rep(1), rep(2), rep(4), rep(5), count, rep(8), rep(9)]
-  cols += [first, jnp.broadcast_to(part, (parts, num)), rep(10)]
+  q = QueryItem  # W_QROW .. W_TILE, in order
+  cols = [rep(q.ROW), rep(q.LO), rep(q.HI), rep(q.KV_ROW), rep(q.KV_LEN)]
+  cols += [count, rep(q.KV_TILES), rep(q.SEQ), first]
+  cols += [jnp.broadcast_to(part, (parts, num)), rep(q.TILE_ID)]
   table = jnp.stack(cols, axis=-1).reshape(parts * num, len(cols))
   num_real = num_real * parts
   if parts > 1:
@@ -715,7 +716,7 @@ def _store_query_tile(
 def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
   """Forward (`do is None`: returns O) or dQ (returns dQ), `[t, n, h]`.
 
-  `items`: `jagged_attention.mosaic_gpu.query_items` table (sorted),
+  `items`: `schedule.query_items` table (sorted),
   `num_real` its number of real items; `k_side`: `side_tiles` of K
   (`[b + 1, ...]`).
   """
@@ -857,8 +858,9 @@ def query_kernel(q, k, v, k_side, v_side, do, items, num_real, static):
           (k_ref, ks_ref, k_smem),
           (v_ref, vs_ref, v_smem),
         ):
-          jmg.load_kv_tile(ref, side, dst.at[s], kv_bar.at[s], i, item, bkv,
-                           kv_head)  # fmt: skip
+          schedule.load_kv_tile(
+            ref, side, dst.at[s], kv_bar.at[s], i, item, bkv, kv_head
+          )
 
       cols = (W_QROW, W_KVROW, W_STEPS, W_TOTAL, W_SEQ, W_FIRST, W_REUSE)
 
@@ -1362,7 +1364,7 @@ def dq_from_ds(k, k_side, ds, items, num_real, static, t):
 
           kt = cur[W_FIRST] + i
           item = (cur[W_KVROW], None, cur[W_TOTAL], cur[W_SEQ])
-          jmg.load_kv_tile(
+          schedule.load_kv_tile(
             k_ref, ks_ref, k_smem.at[s], kv_bar.at[s], kt, item, bkv, kv_head
           )
           for g in range(hpc):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.gdpa import mosaic_gpu as mg
 from pallas_kernels.gdpa.reference import check_settings, gdpa_reference
-from pallas_kernels.jagged_attention import mosaic_gpu as jmg
 from pallas_kernels.jagged_attention.reference import check_offsets
 
 BlockSizes = mg.BlockSizes
@@ -34,7 +33,7 @@ def _query_side(static, q, k, v, do, q_off, kv_off):
   if bkv != bs.block_kv:
     bs = dataclasses.replace(bs, block_kv=bkv)
     static = dataclasses.replace(static, block_sizes=bs)
-  items, sched = jmg.query_items(
+  items, sched = schedule.query_items(
     q_off,
     kv_off,
     q.shape[0],
@@ -42,8 +41,8 @@ def _query_side(static, q, k, v, do, q_off, kv_off):
     block_kv=bs.block_kv,
     causal=False,
   )
-  k_side = jmg.side_tiles(k, kv_off, bs.block_kv)
-  v_side = jmg.side_tiles(v, kv_off, bs.block_kv)
+  k_side = schedule.side_tiles(k, kv_off, bs.block_kv)
+  v_side = schedule.side_tiles(v, kv_off, bs.block_kv)
   return mg.query_kernel(
     q, k, v, k_side, v_side, do, items, sched.num_items, static
   )
@@ -82,7 +81,7 @@ def _bwd(static, res, do):
   if path == "fused":
     q_start = None
   elif path == "ds":
-    q_items, q_sched = jmg.query_items(
+    q_items, q_sched = schedule.query_items(
       q_off,
       kv_off,
       q.shape[0],
@@ -104,8 +103,8 @@ def _bwd(static, res, do):
     parts=parts,
     q_tile_start=q_start,
   )
-  q_side = jmg.side_tiles(q, q_off, bs.block_q)
-  do_side = jmg.side_tiles(do, q_off, bs.block_q)
+  q_side = schedule.side_tiles(q, q_off, bs.block_q)
+  do_side = schedule.side_tiles(do, q_off, bs.block_q)
   if path == "fused":
     dq, dk, dv = mg.backward_dkv_dq(
       q, k, v, do, q_side, do_side, items, static, parts
@@ -115,7 +114,7 @@ def _bwd(static, res, do):
     dk, dv, ds = mg.backward_dkv(
       q, k, v, do, q_side, do_side, items, static, parts, ds_tiles
     )
-    k_side = jmg.side_tiles(k, kv_off, mg.DS_ROWS)
+    k_side = schedule.side_tiles(k, kv_off, mg.DS_ROWS)
     dq = mg.dq_from_ds(
       k, k_side, ds, q_items, q_sched.num_items, static, q.shape[0]
     )

@@ -39,8 +39,8 @@ packed rows `off_j - lead_j + f * blk ...` with `lead_j = off_j % 8`, and
 only the first tile (up to 7 lead rows of the previous sequence) and the last
 tile (rows past the end) hold rows of other sequences. For keys and values,
 a tiny gather before the kernel copies those two tiles of every sequence into
-a zero-filled side buffer `[b+1, 2, bkv, k, h]` (`side_tiles`, ~1% of K/V
-bytes), and the producer warpgroup loads a sequence's first and last tile
+a zero-filled side buffer `[b+1, 2, bkv, k, h]` (`schedule.side_tiles`, ~1%
+of K/V bytes), and the producer warpgroup loads a sequence's first and last tile
 from there, the others from the packed buffer. Every tile the consumers see
 is then real rows and zeros, and no select/mask runs on any score for
 sequence boundaries. A zero key row gives score `c * q . 0 = 0` exactly, so
@@ -73,8 +73,8 @@ and `dS K = 0`.
 Only causal diagonal tiles build a (position) mask, and, with a sliding
 window (`window=w`: row `p` sees keys `|p - j| <= w`), every visited tile:
 a query tile visits only the key tiles holding a key within `w` positions
-of one of its valid rows (`window_tile_range`; the dK/dV work list likewise
-lists only the query tiles in reach), keys outside the sequence are
+of one of its valid rows (`schedule.window_tile_range`; the dK/dV work list
+likewise lists only the query tiles in reach), keys outside the sequence are
 masked too (no zero-fill surplus to subtract), and since a row may see no
 key of a visited tile, the running max is kept from `-inf - -inf`.
 Rows of the buffer tail past `offsets[-1]` and rows of sequences without
@@ -134,6 +134,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import mosaic, schedule
+from pallas_kernels.schedule import KeyItem, QueryItem
 
 LOG2E = math.log2(math.e)
 
@@ -227,223 +228,6 @@ class _Static:
 
 
 # --------------------------------------------------------------------------
-# Work lists (built with jnp inside jit; see pallas_kernels/schedule.py).
-
-
-def seq_tables(offsets, capacity, other_offsets):
-  """Extended offsets of the tiled side (+ tail pseudo-sequence) and of the
-  other side (the pseudo-sequence gets length 0)."""
-  off = schedule.extend_offsets(offsets, capacity)
-  other = jnp.asarray(other_offsets, jnp.int32)
-  other = jnp.concatenate([other, other[-1:]])
-  return off, other
-
-
-def window_tile_range(pos, lo, hi, other_len, other_lead, block, window,
-                      causal=None):  # fmt: skip
-  """(first, count) of the other side's `block`-row tiles (on its sequence's
-  aligned grid, `other_lead` rows before position 0) that hold a position
-  within `window` of one of a tile's valid rows `[lo, hi)` (row 0 at
-  position `pos`); count 0 when none does. `causal`: None, or which side
-  of the rows the other side must lie, "before" (keys seen by query rows)
-  or "after" (queries that see key rows)."""
-  first_pos = jnp.maximum(pos + lo - window, 0)
-  last_pos = jnp.minimum(pos + hi - 1 + window, other_len - 1)
-  if causal == "before":
-    last_pos = jnp.minimum(last_pos, pos + hi - 1)
-  elif causal == "after":
-    first_pos = jnp.maximum(first_pos, pos + lo)
-  first = lax.div(first_pos + other_lead, block)
-  end = lax.div(jnp.maximum(last_pos, 0) + other_lead, block) + 1
-  ok = (hi > lo) & (last_pos >= first_pos)
-  return first, jnp.where(ok, end - first, 0)
-
-
-def _tile_schedule(offsets, rows, block, per_tile, tile_steps, seq_steps):
-  """`schedule.jagged_tile_schedule` of a kernel's tiles, ordered by cost:
-  each tile's steps (`tile_steps(seq, tile)`) plus one for its loads and
-  stores when `per_tile` (a mask makes tiles of a sequence differ), else
-  its sequence's (`seq_steps[seq]`, the same for all its tiles)."""
-  if per_tile:
-    cost = {"cost": lambda a, b: tile_steps(a, b) + 1}
-  else:
-    cost = {"seq_cost": lambda a: seq_steps[a] + 1}
-  return schedule.jagged_tile_schedule(
-    offsets, rows, block, align=mosaic.ALIGN, **cost
-  )
-
-
-def query_items(
-  q_offsets, kv_offsets, t, *, block_q, block_kv, causal, window=None
-):
-  """Items of the forward and dQ kernels: one per 64-row query tile.
-
-  Returns (`int32[i, 12]` table, schedule). Columns: 0 first packed row of
-  the (aligned) query tile, 1-2 its valid rows `[lo, hi)`, 3 position of tile
-  row 0 in its sequence (negative in the lead rows), 4 first packed row of
-  the sequence's aligned key grid, 5 key length, 6 key lead rows, 7 key
-  tiles visited, 8 key tiles in the grid, 9 sequence, 10 tile id, 11 first
-  key tile visited (0 unless `window`: `window_tile_range`).
-  """
-  q_off, kv_off = seq_tables(q_offsets, t, kv_offsets)
-  q_len_b = q_off[1:] - q_off[:-1]
-  kv_len_b = kv_off[1:] - kv_off[:-1]
-  q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
-  kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
-  kv_total_b = jnp.where(
-    kv_len_b > 0, pl.cdiv(kv_len_b + kv_lead_b, block_kv), 0
-  )
-
-  def geometry(seq, tile):
-    q_pos = tile * block_q - q_lead_b[seq]
-    lo = jnp.clip(-q_pos, 0, block_q)
-    hi = jnp.clip(q_len_b[seq] - q_pos, 0, block_q)
-    total = kv_total_b[seq]
-    first = jnp.zeros_like(tile)
-    if window is not None:
-      first, steps = window_tile_range(
-        q_pos, lo, hi, kv_len_b[seq], kv_lead_b[seq], block_kv, window,
-        "before" if causal else None,
-      )  # fmt: skip
-    elif causal:
-      last = q_pos + hi - 1  # position of the last valid row
-      steps = jnp.minimum(total, (last + kv_lead_b[seq]) // block_kv + 1)
-      steps = jnp.where(hi > lo, jnp.maximum(steps, 0), 0)
-    else:
-      steps = total
-    return q_pos, lo, hi, steps, first
-
-  # Without a mask every query tile visits all its sequence's key tiles.
-  sched = _tile_schedule(
-    q_offsets, t, block_q, causal or window is not None,
-    lambda s, i: geometry(s, i)[3], kv_total_b,
-  )  # fmt: skip
-  seq, tile = sched.seq_i, sched.tile_i
-  q_pos, lo, hi, steps, first = geometry(seq, tile)
-  valid = sched.valid_i
-  table = jnp.stack(
-    [
-      q_off[seq] - q_lead_b[seq] + tile * block_q,
-      jnp.where(valid, lo, 0),
-      jnp.where(valid, hi, 0),
-      q_pos,
-      kv_off[seq] - kv_lead_b[seq],
-      kv_len_b[seq],
-      kv_lead_b[seq],
-      jnp.where(valid, steps, 0),
-      kv_total_b[seq],
-      seq,
-      sched.tile_id_i,
-      first,
-    ],
-    axis=1,
-  ).astype(jnp.int32)
-  return table, sched
-
-
-def key_items(
-  q_offsets,
-  kv_offsets,
-  s,
-  q_tile_start_b,
-  *,
-  block_q,
-  block_kv,
-  causal,
-  window=None,
-):
-  """Items of the dK/dV kernel: one per `block_kv`-row key tile.
-
-  Columns: 0 first packed row of the (aligned) key tile, 1-2 its valid rows
-  `[lo, hi)`, 3 position of tile row 0, 4 first packed row of the sequence's
-  aligned query grid, 5 query lead rows, 6 first query tile visited, 7 query
-  tiles visited per head, 8 how many of those (from the first) need the
-  causal mask (with `window`: all of them, the window's), 9 forward tile id
-  of the sequence's query tile 0, 10 sequence, 11 tile index in the
-  sequence's key grid, 12 tiles in that grid (the fused backward loads the
-  first and last from the side tiles).
-  """
-  kv_off, q_off = seq_tables(kv_offsets, s, q_offsets)
-  q_len_b = q_off[1:] - q_off[:-1]
-  kv_len_b = kv_off[1:] - kv_off[:-1]
-  q_lead_b = schedule.lead_rows(q_off[:-1], mosaic.ALIGN)
-  kv_lead_b = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
-  n_q_b = jnp.where(q_len_b > 0, pl.cdiv(q_len_b + q_lead_b, block_q), 0)
-  n_kv_b = pl.cdiv(kv_len_b + kv_lead_b, block_kv)
-
-  def geometry(seq, tile):
-    kv_pos = tile * block_kv - kv_lead_b[seq]
-    lo = jnp.clip(-kv_pos, 0, block_kv)
-    hi = jnp.clip(kv_len_b[seq] - kv_pos, 0, block_kv)
-    n_q = n_q_b[seq]
-    lead = q_lead_b[seq]
-    if window is not None:  # every step masked
-      first, steps = window_tile_range(
-        kv_pos, lo, hi, q_len_b[seq], lead, block_q, window,
-        "after" if causal else None,
-      )  # fmt: skip
-      return kv_pos, lo, hi, first, steps, steps
-    if causal:
-      # First query tile holding a position >= this tile's first key; tiles
-      # starting before its last key need the mask.
-      first = jnp.clip((kv_pos + lo + lead) // block_q, 0, n_q)
-      masked_end = jnp.clip(pl.cdiv(kv_pos + hi - 1 + lead, block_q), 0, n_q)
-      n_masked = jnp.maximum(masked_end - first, 0)
-    else:
-      first = jnp.zeros_like(tile)
-      n_masked = jnp.zeros_like(tile)
-    return kv_pos, lo, hi, first, n_q - first, n_masked
-
-  # Without a mask every key tile visits all its sequence's query tiles.
-  sched = _tile_schedule(
-    kv_offsets, s, block_kv, causal or window is not None,
-    lambda a, b: geometry(a, b)[4], n_q_b,
-  )  # fmt: skip
-  seq, tile = sched.seq_i, sched.tile_i
-  kv_pos, lo, hi, first, steps, n_masked = geometry(seq, tile)
-  valid = sched.valid_i
-  q_seq = jnp.minimum(seq, q_tile_start_b.shape[0] - 1)
-  table = jnp.stack(
-    [
-      kv_off[seq] - kv_lead_b[seq] + tile * block_kv,
-      jnp.where(valid, lo, 0),
-      jnp.where(valid, hi, 0),
-      kv_pos,
-      q_off[seq] - q_lead_b[seq],
-      q_lead_b[seq],
-      first,
-      jnp.where(valid, steps, 0),
-      n_masked,
-      q_tile_start_b[q_seq],
-      seq,
-      tile,
-      n_kv_b[seq],
-    ],
-    axis=1,
-  ).astype(jnp.int32)
-  return table
-
-
-def side_tiles(x_skh, kv_offsets, block_kv):
-  """First and last key tile of each sequence, zero outside: `[b+1,2,m,k,h]`.
-
-  Tile `f` of sequence `j` starts at packed row
-  `kv_offsets[j] - lead_j + f * block_kv` (8-aligned grid); its rows outside
-  the sequence are zero. Entry `b` (buffer-tail pseudo-sequence) is zeros.
-  """
-  kv_off = jnp.asarray(kv_offsets, jnp.int32)
-  kv_off = jnp.concatenate([kv_off, kv_off[-1:]])
-  length = kv_off[1:] - kv_off[:-1]
-  lead = schedule.lead_rows(kv_off[:-1], mosaic.ALIGN)
-  total = jnp.maximum(pl.cdiv(length + lead, block_kv), 1)
-  first_pos = jnp.stack([-lead, (total - 1) * block_kv - lead], axis=1)
-  pos = first_pos[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)
-  valid = (pos >= 0) & (pos < length[:, None, None])  # [b+1, 2, m]
-  idx = jnp.where(valid, kv_off[:-1, None, None] + pos, 0)
-  return jnp.where(valid[..., None, None], x_skh[idx], 0).astype(x_skh.dtype)
-
-
-# --------------------------------------------------------------------------
 # Forward.
 
 
@@ -453,11 +237,12 @@ def _heads_per_cta(n, kh):
 
 
 def _load_query_item(items_ref, it, window):
-  """The 12 `query_items` fields of item `it`; the first key tile (field
-  11) is read only under a sliding window (else None: the loop starts at
+  """The 12 `QueryItem` fields of item `it`; the first key tile (`FIRST`)
+  is read only under a sliding window (else None: the loop starts at
   tile 0)."""
-  fields = [items_ref[it, f] for f in range(11)]
-  return fields + [items_ref[it, 11] if window is not None else None]
+  fields = [items_ref[it, f] for f in range(QueryItem.FIRST)]
+  first = items_ref[it, QueryItem.FIRST] if window is not None else None
+  return fields + [first]
 
 
 def _visible(q_at, k_at, causal: bool, window: int | None):
@@ -513,32 +298,6 @@ def _two_matmuls(a1, b1, a2, b2, shape, mid, interpret):
   )
 
 
-def load_kv_tile(ref, side, dst, bar, i, item, bkv, kv_head, split=1):
-  """TMA of key/value tile `i` of an item (`(first packed row, _, tiles of
-  the sequence's grid, sequence)`) into `dst`: the first and last tile of
-  a sequence from its zero-filled side buffer, the others straight from
-  the packed buffer (also GDPA's producer). `split > 1`: the grid and side
-  tiles are `split * bkv` rows and tile `i` is part `i % split` of grid
-  tile `i // split` (the dQ kernel's 64-key steps on the forward's tables).
-  """
-  kv_row, _, kv_total, seq = item
-  big = lax.div(i, split) if split > 1 else i
-  from_side = (big == 0) | (big == kv_total - 1)
-
-  @pl.when(from_side)
-  def _():
-    which = jnp.where(big == 0, 0, 1)
-    rows = slice(None)
-    if split > 1:
-      rows = pl.ds(pl.multiple_of(lax.rem(i, split) * bkv, bkv), bkv)
-    plgpu.copy_gmem_to_smem(side.at[seq, which, rows, kv_head], dst, bar)
-
-  @pl.when(jnp.logical_not(from_side))
-  def _():
-    rows = pl.ds(mosaic.aligned(kv_row + i * bkv), bkv)
-    plgpu.copy_gmem_to_smem(ref.at[rows, kv_head], dst, bar)
-
-
 def _kv_producer(
   n_items, item, refs, sides, smem, bars, free, *, bkv, mcs, kv_head, split=1
 ):
@@ -555,7 +314,12 @@ def _kv_producer(
 
   def body(j, base):
     fields, _, kv_steps, kv_grid, first = item(j)
-    kv_item = (fields[4], kv_steps, kv_grid, fields[9])
+    kv_item = (
+      fields[QueryItem.KV_ROW],
+      kv_steps,
+      kv_grid,
+      fields[QueryItem.SEQ],
+    )
 
     @pl.loop(0, kv_steps)
     def _(i):
@@ -570,7 +334,7 @@ def _kv_producer(
         def _(rel=rel):
           plgpu.barrier_wait(rel.at[slot])
 
-        load_kv_tile(
+        schedule.load_kv_tile(
           ref,
           side,
           dst.at[slot],
@@ -586,38 +350,6 @@ def _kv_producer(
 
   total = lax.fori_loop(0, n_items, body, jnp.int32(0))
   mosaic.observe_releases(total, mcs, k_free, v_free)
-
-
-def _deal_items(
-  items,
-  groups: int,
-  persistent: bool,
-  bs: BlockSizes,
-  swaps: int = 0,
-  steps_per_item=1,
-):
-  """(CTAs per group, `int32[w, j]` item of each CTA's j-th turn, `int32[w]`
-  turns per CTA) for a kernel over `items` (columns 1-2: valid rows; items
-  without valid rows come last). Persistent: about `num_sms` CTAs over all
-  `groups`, each walking the longest-first list dealt zig-zag
-  (`schedule.deal`), then `swaps` rounds of `schedule.pair_swaps`;
-  otherwise one CTA per item."""
-  num_items = items.shape[0]
-  real = items[:, 2] > items[:, 1]
-  if not persistent:
-    dealt = jnp.arange(num_items, dtype=jnp.int32)[:, None]
-    return num_items, dealt, real.astype(jnp.int32)
-  workers = schedule.persistent_workers(
-    groups, mosaic.num_sms(bs.num_sms), num_items
-  )
-  num_real = jnp.sum(real).astype(jnp.int32)
-  dealt, counts = schedule.deal(num_items, num_real, workers, 1)
-  if swaps:
-    # Cost of an item: its steps (column 7; times the heads it walks in the
-    # dK/dV kernel) plus one for its loads and stores.
-    cost = items[:, 7] * steps_per_item + 1
-    dealt = schedule.pair_swaps(dealt, counts, cost, swaps)
-  return workers, dealt, counts
 
 
 def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
@@ -653,8 +385,8 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
   num_items = items.shape[0]
   causal, window = static.causal, static.window
   c = static.scale * LOG2E
-  workers, dealt, counts = _deal_items(
-    items, n // hpc, bs.persistent, bs, bs.q_deal_swaps
+  workers, dealt, counts = schedule.deal_items(
+    items, n // hpc, bs.persistent, bs.num_sms, bs.q_deal_swaps
   )
   # The two consumers ping-pong (not with `fwd_overlap`, where each
   # overlaps its own softmax with its wgmmas); only then is there a
@@ -688,9 +420,10 @@ def forward(q_tnh, k_skh, v_skh, k_side, v_side, items, static: _Static):
       fields = _load_query_item(items_ref, it, window)
       # Steps of this item: 0 when it has no valid rows (skipped); its
       # sequence's key tiles (the side tiles' first and last); its first.
-      hi_lo = fields[2] > fields[1]
-      steps = jnp.where(hi_lo, fields[7], 0)
-      return fields, hi_lo, steps, fields[8], fields[11]
+      hi_lo = fields[QueryItem.HI] > fields[QueryItem.LO]
+      steps = jnp.where(hi_lo, fields[QueryItem.STEPS], 0)
+      kv_tiles, first = fields[QueryItem.KV_TILES], fields[QueryItem.FIRST]
+      return fields, hi_lo, steps, kv_tiles, first
 
     def sched():
       if pingpong:
@@ -1008,8 +741,9 @@ def backward_delta(o_tnh, do_tnh, items, static):
   def kernel(items_ref, o_ref, do_ref, delta_ref, o_smem, do_smem, d_smem, bar):
     it = lax.axis_index("items")
     head = lax.axis_index("heads")
-    q_row, lo, hi = items_ref[it, 0], items_ref[it, 1], items_ref[it, 2]
-    tile_id = items_ref[it, 10]
+    q_row = items_ref[it, QueryItem.ROW]
+    lo, hi = items_ref[it, QueryItem.LO], items_ref[it, QueryItem.HI]
+    tile_id = items_ref[it, QueryItem.TILE_ID]
 
     @pl.when(hi > lo)
     def _():
@@ -1065,7 +799,7 @@ def backward_dq(
   `P = 0`.
 
   Persistent, like the forward: about one CTA per SM over the head pairs walk
-  the dealt item list (`_deal_items`); the producer's K/V ring runs on
+  the dealt item list (`schedule.deal_items`); the producer's K/V ring runs on
   across items, the consumers load the next item's Q, dO, O and lse right
   after the item's last `S`/`dP` wgmmas (O and lse were consumed at the
   item's start), and the dQ and delta stores drain while the next item
@@ -1086,8 +820,8 @@ def backward_dq(
   num_items = items.shape[0]
   causal, window = static.causal, static.window
   c = static.scale * LOG2E
-  workers, dealt, counts = _deal_items(
-    items, n // hpc, True, bs, bs.q_deal_swaps
+  workers, dealt, counts = schedule.deal_items(
+    items, n // hpc, True, bs.num_sms, bs.q_deal_swaps
   )
 
   def kernel(
@@ -1123,9 +857,9 @@ def backward_dq(
       fields = _load_query_item(items_ref, it, window if split == 1 else None)
       (_, lo, hi, q_pos, _, kv_len, kv_lead, kv_steps, kv_total) = fields[:9]
       hi_lo = hi > lo
-      first = fields[11]
+      first = fields[QueryItem.FIRST]
       if window is not None and split > 1:  # the window's bkv-key steps
-        first, kv_steps = window_tile_range(
+        first, kv_steps = schedule.window_tile_range(
           q_pos, lo, hi, kv_len, kv_lead, bkv, window,
           "before" if causal else None,
         )  # fmt: skip
@@ -1396,8 +1130,8 @@ def backward_dkv(
   causal = static.causal
   c = static.scale * LOG2E
 
-  workers, dealt, counts = _deal_items(
-    items, kh, True, bs, bs.kv_deal_swaps, group
+  workers, dealt, counts = schedule.deal_items(
+    items, kh, True, bs.num_sms, bs.kv_deal_swaps, group
   )
 
   def kernel(
@@ -1429,13 +1163,14 @@ def backward_dkv(
       """Fields of the CTA's j-th item and its steps (query tiles x heads;
       0 without valid rows)."""
       it = deal_ref[w, jnp.minimum(j, deal_ref.shape[1] - 1)]
-      fields = [items_ref[it, f] for f in range(13)]
-      lo, hi, q_steps = fields[1], fields[2], fields[7]
+      fields = [items_ref[it, f] for f in range(len(KeyItem))]
+      lo, hi = fields[KeyItem.LO], fields[KeyItem.HI]
+      q_steps = fields[KeyItem.STEPS]
       return it, fields, jnp.where(hi > lo, q_steps * group, 0)
 
     def coords(fields, j):
       """Step j of an item -> (query head, query tile)."""
-      t_first, q_steps = fields[6], fields[7]
+      t_first, q_steps = fields[KeyItem.FIRST], fields[KeyItem.STEPS]
       per = jnp.maximum(q_steps, 1)
       return kv_head * group + lax.div(j, per), t_first + lax.rem(j, per)
 
@@ -1452,7 +1187,8 @@ def backward_dkv(
         """This warpgroup's key/value rows of item j; issued once the
         previous item's wgmmas have read the buffers."""
         _, fields, _ = item(j)
-        kv_row, seq, kv_tile, kv_total = (fields[0], *fields[10:13])
+        kv_row, seq = fields[KeyItem.ROW], fields[KeyItem.SEQ]
+        kv_tile, kv_total = fields[KeyItem.TILE], fields[KeyItem.TILES]
         base = mosaic.aligned(kv_row + wg * bkv)
 
         @pl.when(j < n_items)
@@ -1636,7 +1372,8 @@ def backward_dkv(
 
       def body(j, base_step):
         _, fields, total = item(j)
-        q_row0, tile_id0 = fields[4], fields[9]
+        q_row0 = fields[KeyItem.Q_ROW]
+        tile_id0 = fields[KeyItem.Q_TILE_START]
 
         def issue(jj, slot):
           head, tile = coords(fields, jj)

@@ -27,7 +27,7 @@ def _fwd(static, q, k, v, q_off, kv_off):
   res_qkv = (q, k, v)
   t = q.shape[0]
   q, k, v = mosaic.pad_rows(q), mosaic.pad_rows(k), mosaic.pad_rows(v)
-  items, sched = mg.query_items(
+  items, sched = schedule.query_items(
     q_off,
     kv_off,
     q.shape[0],
@@ -36,8 +36,8 @@ def _fwd(static, q, k, v, q_off, kv_off):
     causal=static.causal,
     window=static.window,
   )
-  k_side = mg.side_tiles(k, kv_off, bs.block_kv)
-  v_side = mg.side_tiles(v, kv_off, bs.block_kv)
+  k_side = schedule.side_tiles(k, kv_off, bs.block_kv)
+  v_side = schedule.side_tiles(v, kv_off, bs.block_kv)
   o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
   # The dQ kernel's too (any block_kv_dq), or the fused backward's (which
   # reads no V side tiles: none kept alive for it).
@@ -62,7 +62,7 @@ def _bwd(static, res, do):
     mosaic.pad_rows(do),
   )
   s = k.shape[0]
-  items_kv = mg.key_items(
+  items_kv = schedule.key_items(
     q_off,
     kv_off,
     s,

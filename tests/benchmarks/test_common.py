@@ -182,14 +182,14 @@ def test_timed_sets_share_one_work_list():
   import jax.numpy as jnp
   import numpy as np
 
-  from pallas_kernels.jagged_attention import mosaic_gpu as mg
+  from pallas_kernels import schedule
 
   off = jnp.asarray(common.offsets(np.array([70, 5, 130], np.int32)))
 
   def one(q):
     # Causal: items cost differently within a sequence, so they are
     # sorted, and the sort's scatter is counted.
-    items, _ = mg.query_items(
+    items, _ = schedule.query_items(
       off, off, 256, block_q=64, block_kv=128, causal=True
     )
     return items, q.sum()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import dispatch, mosaic
+from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.fp8 import matmul_mgpu
 from pallas_kernels.jagged_attention import mosaic_gpu as jagged_mg
 from pallas_kernels.jagged_attention.op import (
@@ -83,16 +83,14 @@ def test_persistent_grids_follow_the_gpu(h20):
 
   # Jagged attention: 8 query heads over 2 KV heads, CTAs per KV head.
   q_off = jnp.array([0, 1500, 1600, 4000], jnp.int32)
-  items, _ = jagged_mg.query_items(
+  items, _ = schedule.query_items(
     q_off, q_off, 4096, block_q=64, block_kv=128, causal=False
   )
   bs = jagged_mg.BlockSizes()
-  workers, _, counts = jagged_mg._deal_items(items, 2, True, bs)
+  workers, _, counts = schedule.deal_items(items, 2, True, bs.num_sms)
   assert workers == h20 // 2
   assert int(counts.sum()) == int((items[:, 2] > items[:, 1]).sum())
-  workers, *_ = jagged_mg._deal_items(
-    items, 2, True, dataclasses.replace(bs, num_sms=132)
-  )
+  workers, *_ = schedule.deal_items(items, 2, True, 132)
   assert workers == 66
 
   # RMSNorm: one block per SM (two with the wide-row loads).

@@ -277,10 +277,10 @@ def test_swapped_deal_interpret(bs):
   lens = [94, 102, 151, 190, 6]
   off = cases.offsets(lens)
   t = -(-(int(off[-1]) + 5) // 8) * 8
-  items, sched = mg.query_items(
+  items, sched = schedule.query_items(
     off, off, t, block_q=64, block_kv=128, causal=False
   )
-  k_items = mg.key_items(
+  k_items = schedule.key_items(
     off, off, t, sched.tile_start_b, block_q=64, block_kv=128, causal=False
   )
   for table, swaps, steps in (
@@ -288,8 +288,8 @@ def test_swapped_deal_interpret(bs):
     (k_items, bs.kv_deal_swaps, 2),
   ):
     assert not np.array_equal(
-      mg._deal_items(table, 1, True, bs, swaps, steps)[1],
-      mg._deal_items(table, 1, True, bs, 0, steps)[1],
+      schedule.deal_items(table, 1, True, bs.num_sms, swaps, steps)[1],
+      schedule.deal_items(table, 1, True, bs.num_sms, 0, steps)[1],
     )
   _check_case(
     lens, None, n=2, kh=1, h=64, dtype=jnp.bfloat16, causal=False, tail=5,
@@ -427,7 +427,7 @@ def test_schedule_covers_every_row_once(causal):
   kv_lens = [3, 140, 0, 64, 9, 2048, 8]
   q_off, kv_off = cases.offsets(lens), cases.offsets(kv_lens)
   t, s = int(q_off[-1]) + 11, int(kv_off[-1]) + 4
-  table, sched = mg.query_items(
+  table, sched = schedule.query_items(
     q_off, kv_off, t, block_q=64, block_kv=128, causal=causal
   )
   table = np.asarray(table)
@@ -442,7 +442,7 @@ def test_schedule_covers_every_row_once(causal):
   assert (np.diff(cost[real]) <= 0).all()  # longest first
   assert not real[real.sum() :].any()  # padding items last
   kv_table = np.asarray(
-    mg.key_items(
+    schedule.key_items(
       q_off,
       kv_off,
       s,
@@ -475,7 +475,7 @@ def test_window_work_lists_reach_exactly_the_visible_pairs(
   off, kv_off = cases.offsets(lens), cases.offsets(kv_lens)
   t, s = int(off[-1]) + 11, int(kv_off[-1]) + 6
   bq, bkv = 64, 128
-  table, sched = mg.query_items(
+  table, sched = schedule.query_items(
     off, kv_off, t, block_q=bq, block_kv=bkv, causal=causal, window=window
   )
   table = np.asarray(table)
@@ -500,7 +500,7 @@ def test_window_work_lists_reach_exactly_the_visible_pairs(
     got = set(range(first, first + steps))
     assert need == got, (row, need, got)
   kv_table = np.asarray(
-    mg.key_items(
+    schedule.key_items(
       off, kv_off, s, sched.tile_start_b, block_q=bq, block_kv=bkv,
       causal=causal, window=window,
     )
