@@ -57,6 +57,9 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from pallas_kernels import mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
+from pallas_kernels.jagged_attention import mosaic_gpu_bwd_dkv as bwd_dkv
+from pallas_kernels.jagged_attention import mosaic_gpu_bwd_dq as bwd_dq
+from pallas_kernels.jagged_attention import mosaic_gpu_fwd as fwd
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.jagged_attention.reference import (
   jagged_attention_reference,
@@ -355,8 +358,8 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
       causal=False,
     )
     side = [schedule.side_tiles(x, kv_off, bs.block_kv) for x in (k, v)]
-    o, lse = mg.forward(q, k, v, *side, items, static)
-    _, delta = mg.backward_dq(q, k, v, *side, o, do, lse, items, static)
+    o, lse = fwd.forward(q, k, v, *side, items, static)
+    _, delta = bwd_dq.backward_dq(q, k, v, *side, o, do, lse, items, static)
     return dict(
       items=items,
       items_kv=items_kv,
@@ -371,31 +374,31 @@ def breakdown(h, case, q_off, kv_off, sets, times, extra):
 
   def t_fwd(x, p):
     q, k, v, _ = x
-    return mg.forward(q, k, v, *p["side"], p["items"], static)
+    return fwd.forward(q, k, v, *p["side"], p["items"], static)
 
   def t_dq(x, p):  # delta = rowsum(O dO) included
     q, k, v, do = x
-    return mg.backward_dq(
+    return bwd_dq.backward_dq(
       q, k, v, *p["side"], p["o"], do, p["lse"], p["items"], static
     )
 
   def t_dkv(x, p):
     q, k, v, do = x
-    return mg.backward_dkv(
+    return bwd_dkv.backward_dkv(
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static
     )
 
   def t_delta(x, p):
-    return mg.backward_delta(p["o"], x[3], p["items"], static)
+    return bwd_dkv.backward_delta(p["o"], x[3], p["items"], static)
 
   def t_fused(x, p):
     q, k, v, do = x
-    return mg.backward_dkv_dq(
+    return bwd_dkv.backward_dkv_dq(
       q, k, v, do, p["lse"], p["delta"], p["items_kv"], static, p["side"][0]
     )
 
   def t_fill(x, p):
-    return mg.dq_buffer(x[0], p["items_kv"].shape[0], static)
+    return bwd_dkv.dq_buffer(x[0], p["items_kv"].shape[0], static)
 
   def t_sched(x, p):
     q, k, v, _ = x

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.jagged_attention import mosaic_gpu as mg
+from pallas_kernels.jagged_attention import mosaic_gpu_bwd_dkv as bwd_dkv
+from pallas_kernels.jagged_attention import mosaic_gpu_bwd_dq as bwd_dq
+from pallas_kernels.jagged_attention import mosaic_gpu_fwd as fwd
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
   check_window,
@@ -38,7 +41,7 @@ def _fwd(static, q, k, v, q_off, kv_off):
   )
   k_side = schedule.side_tiles(k, kv_off, bs.block_kv)
   v_side = schedule.side_tiles(v, kv_off, bs.block_kv)
-  o, lse = mg.forward(q, k, v, k_side, v_side, items, static)
+  o, lse = fwd.forward(q, k, v, k_side, v_side, items, static)
   # The dQ kernel's too (any block_kv_dq), or the fused backward's (which
   # reads no V side tiles: none kept alive for it).
   fwd_tables = (items, k_side, None if bs.fused_bwd else v_side)
@@ -76,16 +79,16 @@ def _bwd(static, res, do):
     # The delta kernel, then dQ, dK, dV in one kernel (dQ by TMA
     # reduce-add; `backward_dkv_dq` says in what dtype).
     items, k_side, _ = fwd_tables
-    delta = mg.backward_delta(o, do, items, static)
-    dq, dk, dv = mg.backward_dkv_dq(
+    delta = bwd_dkv.backward_delta(o, do, items, static)
+    dq, dk, dv = bwd_dkv.backward_dkv_dq(
       q, k, v, do, lse, delta, items_kv, static, k_side
     )
     return dq[:t_in], dk[:s_in], dv[:s_in], None, None
   items_q, k_side, v_side = fwd_tables
-  dq, delta = mg.backward_dq(
+  dq, delta = bwd_dq.backward_dq(
     q, k, v, k_side, v_side, o, do, lse, items_q, static
   )
-  dk, dv = mg.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
+  dk, dv = bwd_dkv.backward_dkv(q, k, v, do, lse, delta, items_kv, static)
   return dq[:t_in], dk[:s_in], dv[:s_in], None, None
 
 
