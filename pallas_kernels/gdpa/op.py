@@ -15,6 +15,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.gdpa import mosaic_gpu as mg
+from pallas_kernels.gdpa import mosaic_gpu_bwd_dkv as bwd_dkv
+from pallas_kernels.gdpa import mosaic_gpu_bwd_dq as bwd_dq
+from pallas_kernels.gdpa import mosaic_gpu_fwd as fwd
 from pallas_kernels.gdpa.reference import check_settings, gdpa_reference
 from pallas_kernels.jagged_attention.reference import check_offsets
 
@@ -29,7 +32,7 @@ def _query_side(static, q, k, v, do, q_off, kv_off):
     static.max_len_kv, dq=do is not None, kv_stages=bs.kv_stages
   )
   if do is not None:
-    bkv = max(bkv, 64)  # see `mg.query_kernel`
+    bkv = max(bkv, 64)  # see `fwd.query_kernel`
   if bkv != bs.block_kv:
     bs = dataclasses.replace(bs, block_kv=bkv)
     static = dataclasses.replace(static, block_sizes=bs)
@@ -43,7 +46,7 @@ def _query_side(static, q, k, v, do, q_off, kv_off):
   )
   k_side = schedule.side_tiles(k, kv_off, bs.block_kv)
   v_side = schedule.side_tiles(v, kv_off, bs.block_kv)
-  return mg.query_kernel(
+  return fwd.query_kernel(
     q, k, v, k_side, v_side, do, items, sched.num_items, static
   )
 
@@ -94,7 +97,7 @@ def _bwd(static, res, do):
     dq = _query_side(static, q, k, v, do, q_off, kv_off)
     q_start = None
   parts = mg.dkv_parts(bs, q_off.shape[0] - 1, k.shape[0], k.shape[1])
-  items = mg.key_items(
+  items = bwd_dkv.key_items(
     q_off,
     kv_off,
     k.shape[0],
@@ -106,20 +109,22 @@ def _bwd(static, res, do):
   q_side = schedule.side_tiles(q, q_off, bs.block_q)
   do_side = schedule.side_tiles(do, q_off, bs.block_q)
   if path == "fused":
-    dq, dk, dv = mg.backward_dkv_dq(
+    dq, dk, dv = bwd_dkv.backward_dkv_dq(
       q, k, v, do, q_side, do_side, items, static, parts
     )
   elif path == "ds":
     ds_tiles = (mg.ds_key_tiles(static.max_len_kv), q_items.shape[0])
-    dk, dv, ds = mg.backward_dkv(
+    dk, dv, ds = bwd_dkv.backward_dkv(
       q, k, v, do, q_side, do_side, items, static, parts, ds_tiles
     )
     k_side = schedule.side_tiles(k, kv_off, mg.DS_ROWS)
-    dq = mg.dq_from_ds(
+    dq = bwd_dq.dq_from_ds(
       k, k_side, ds, q_items, q_sched.num_items, static, q.shape[0]
     )
   else:
-    dk, dv = mg.backward_dkv(q, k, v, do, q_side, do_side, items, static, parts)
+    dk, dv = bwd_dkv.backward_dkv(
+      q, k, v, do, q_side, do_side, items, static, parts
+    )
   return dq[:t], dk[:s], dv[:s], None, None
 
 

@@ -18,6 +18,7 @@ from jax import export
 from pallas_kernels.block_attention.op import block_attention_mosaic
 from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
 from pallas_kernels.gdpa import mosaic_gpu as gdpa_mg
+from pallas_kernels.gdpa import mosaic_gpu_bwd_dq as gdpa_bwd_dq
 from pallas_kernels.gdpa.op import gdpa_mosaic
 from pallas_kernels.jagged_attention.op import jagged_attention_mosaic
 from pallas_kernels.rms_norm.op import rms_norm_mosaic
@@ -96,7 +97,7 @@ def test_gdpa_dq_from_ds_deep_ring():
   failing in Mosaic's compile."""
   q, k = _spec((B * L, N, 128)), _spec((B * 256, KH, 128))
   bs = gdpa_mg.BlockSizes(kv_stages=4)
-  assert gdpa_mg._ds_ring(bs, 2, 128, 4) == 5
+  assert gdpa_bwd_dq._ds_ring(bs, 2, 128, 4) == 5
   f = lambda q, k, v, qo, ko: gdpa_mosaic(
     q, k, v, qo, ko, activation="gelu_tanh", max_len_kv=256,
     block_sizes=bs, interpret=False,

@@ -17,6 +17,7 @@ import pytest
 from pallas_kernels import dispatch, schedule
 from pallas_kernels.gdpa import gdpa, gdpa_reference
 from pallas_kernels.gdpa import mosaic_gpu as mg
+from pallas_kernels.gdpa import mosaic_gpu_fwd as fwd
 from pallas_kernels.gdpa.op import IMPLEMENTATIONS, gdpa_mosaic
 from pallas_kernels.gdpa.reference import apply_activation
 from tests.pallas_kernels import attention_cases as cases
@@ -149,13 +150,13 @@ CROSS_CASES = {
 def test_cross_attention_interpret(monkeypatch, case):
   q_lens, kv_lens, n, kh, h, activation, bs, key_tiles = CROSS_CASES[case]
   seen = []
-  kernel = mg.query_kernel
+  kernel = fwd.query_kernel
 
   def spy(q, k, v, k_side, v_side, do, items, num_real, static):
     seen.append(static.block_sizes.block_kv)
     return kernel(q, k, v, k_side, v_side, do, items, num_real, static)
 
-  monkeypatch.setattr(mg, "query_kernel", spy)
+  monkeypatch.setattr(fwd, "query_kernel", spy)
   _check_case(
     q_lens,
     kv_lens,
@@ -182,7 +183,7 @@ def test_key_tile_and_query_layout_choice():
   # ring (2 stages of 64 or 128 keys) and the output buffer, whose
   # swizzled whole-tile view shares its memory; f32 partials (4-byte
   # output) and dQ's (Q, dO) pairs take more room, and f32 goes plain.
-  layout = mg.query_layout
+  layout = fwd.query_layout
   assert layout(8, 2, 128, bs(block_kv=64), False) == (2, 3, True)
   assert layout(8, 2, 128, bs(block_kv=128), False) == (2, 2, True)
   assert layout(8, 2, 128, bs(block_kv=64), False, 4) == (2, 3, False)
@@ -365,19 +366,19 @@ def test_work_table_covers_every_key_tile_once():
   items[:, 10] = np.arange(num) + 100  # query tile id
   # Key tiles: one count per sequence, as query_items gives.
   items[:num_real, 7] = rng.integers(0, 9, num)[items[:num_real, 9]]
-  wt, counts = mg.work_table(
+  wt, counts = fwd.work_table(
     jnp.asarray(items), num_real, parts, workers, chunk=2, mcs=2
   )
   wt, counts = np.asarray(wt), np.asarray(counts)
   seen = {}
   for w in range(workers):
     for row in wt[w, : counts[w]]:
-      first, steps = row[mg.W_FIRST], row[mg.W_STEPS]
+      first, steps = row[fwd.W_FIRST], row[fwd.W_STEPS]
       for tile in range(first, first + steps):
-        key = (row[mg.W_QROW], tile)
+        key = (row[fwd.W_QROW], tile)
         assert key not in seen
-        assert row[mg.W_TILE] == row[mg.W_QROW] // 64 + 100
-        seen[key] = row[mg.W_PART]
+        assert row[fwd.W_TILE] == row[fwd.W_QROW] // 64 + 100
+        seen[key] = row[fwd.W_PART]
   want = {(i * 64, j) for i in range(num_real) for j in range(items[i, 7])}
   assert set(seen) == want
   assert counts.sum() == parts * num_real
@@ -385,13 +386,13 @@ def test_work_table_covers_every_key_tile_once():
   for w in range(workers):
     row = wt[w, : counts[w]]
     for j in range(1, len(row)):
-      if row[j, mg.W_REUSE]:  # the very key tiles the ring still holds
-        for c in (mg.W_SEQ, mg.W_PART, mg.W_FIRST, mg.W_STEPS):
+      if row[j, fwd.W_REUSE]:  # the very key tiles the ring still holds
+        for c in (fwd.W_SEQ, fwd.W_PART, fwd.W_FIRST, fwd.W_STEPS):
           assert row[j, c] == row[j - 1, c]
-        assert row[j, mg.W_STEPS] <= 2
-      assert row[j - 1, mg.W_RELEASE] == 1 - row[j, mg.W_REUSE]
+        assert row[j, fwd.W_STEPS] <= 2
+      assert row[j - 1, fwd.W_RELEASE] == 1 - row[j, fwd.W_REUSE]
     # A worker's last item hands its keys back (the producer's final wait).
-    assert len(row) == 0 or row[-1, mg.W_RELEASE] == 1
+    assert len(row) == 0 or row[-1, fwd.W_RELEASE] == 1
 
 
 @pytest.mark.parametrize("block_kv", [0, 48, 80, 320])
