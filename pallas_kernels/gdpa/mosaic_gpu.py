@@ -218,6 +218,10 @@ class _Static:
   max_len_kv: int | None = None  # the caller's static bound on key lengths
 
 
+# --------------------------------------------------------------------------
+# Activations with the ops Mosaic GPU lowers (f32 in, f32 out).
+
+
 def tanh_poly(u):
   """The polynomial alone (valid on `|u| <= TANH_POLY_RANGE`)."""
   c0, c1, c2 = TANH_POLY
