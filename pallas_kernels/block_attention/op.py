@@ -40,6 +40,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch, mosaic, schedule
 from pallas_kernels.block_attention import mosaic_gpu as mg
+from pallas_kernels.block_attention import mosaic_gpu_bwd as bwd
+from pallas_kernels.block_attention import mosaic_gpu_fwd as fwd
 from pallas_kernels.block_attention.reference import (
   BLOCKS,
   block_attention_reference,
@@ -60,7 +62,7 @@ BlockSizes = mg.BlockSizes
 
 def _fwd(static, q, k, v, offsets, cs):
   items, num_real = mg.work_items(offsets, q.shape[0])
-  o = mg.forward(q, k, v, cs, items, num_real, static)
+  o = fwd.forward(q, k, v, cs, items, num_real, static)
   return o, (q, k, v, offsets, cs)
 
 
@@ -72,7 +74,7 @@ def _block_attention(static, q, k, v, offsets, cs):
 def _bwd(static, res, do):
   q, k, v, offsets, cs = res
   items, num_real = mg.work_items(offsets, q.shape[0])
-  dq, dk, dv = mg.backward(q, k, v, do, cs, items, num_real, static)
+  dq, dk, dv = bwd.backward(q, k, v, do, cs, items, num_real, static)
   return dq, dk, dv, None, None
 
 
