@@ -66,7 +66,7 @@ from jax import lax
 
 from benchmarks import common
 from pallas_kernels import Fp8Output, fp8, rms_norm, rms_norm_reference
-from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
 from pallas_kernels.fp8 import reference as ref
 
 NAME = "fp8_matmul"
@@ -484,9 +484,9 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
         functools.partial(_kernel_operands, ablk=ablk, bblk=bblk)
       )(x, w)
       f = functools.partial(
-        matmul_mgpu.scaled_matmul_mgpu,
+        mosaic_gpu_matmul.scaled_matmul_mgpu,
         kb=kb,
-        block_sizes=matmul_mgpu.default_block_sizes(kb),
+        block_sizes=mosaic_gpu_matmul.default_block_sizes(kb),
         b_scale_uniform=bblk[0] == 128,
       )
       got = f(av, sa, bv, sb)
@@ -543,7 +543,7 @@ def bench_quantize(b: Bench, m, k, n, copy_bw):
 
     def quant_case(block=block, hb=hb, label=label):
       f = jax.jit(
-        lambda x: quantize_mgpu.quantize_mgpu(x, block=block, hadamard=hb)
+        lambda x: mosaic_gpu_quantize.quantize_mgpu(x, block=block, hadamard=hb)
       )
       v, se = f(xs[0][0])
       fx = jax.jit(
@@ -765,7 +765,7 @@ def _record_interleaved(b: Bench, case, kind, runs, base):
 
 def _sweep_configs():
   """(name, kb, BlockSizes, b_scale_uniform) of the matmul tile sweep."""
-  B, D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
+  B, D = mosaic_gpu_matmul.BlockSizes, mosaic_gpu_matmul.Dim
   k256 = dict(tile_k=256, max_concurrent_steps=2)
   c128 = {
     "64x128 wgM st4": B(),
@@ -854,7 +854,7 @@ def sweep(b: Bench, only: str | None = None):
       args, want = ops[kb]
       f = jax.jit(
         functools.partial(
-          matmul_mgpu.scaled_matmul_mgpu,
+          mosaic_gpu_matmul.scaled_matmul_mgpu,
           kb=kb,
           block_sizes=bs,
           b_scale_uniform=uniform,
@@ -871,7 +871,7 @@ def sweep(b: Bench, only: str | None = None):
 
 def _qgemm_configs():
   """(name, QuantizingBlockSizes) of the quantizing GEMM's sweep."""
-  Q, D = matmul_mgpu.QuantizingBlockSizes, matmul_mgpu.Dim
+  Q, D = mosaic_gpu_matmul.QuantizingBlockSizes, mosaic_gpu_matmul.Dim
   return [
     ("quantizing (default)", Q()),
     ("quantizing clusterM", Q(cluster_m=2)),
@@ -918,7 +918,7 @@ def _qgemm_shape(b: Bench, m, k, n, only):
     def one(bs=bs, name=name):
       f = jax.jit(
         functools.partial(
-          matmul_mgpu.quantizing_matmul_mgpu,
+          mosaic_gpu_matmul.quantizing_matmul_mgpu,
           block_sizes=bs,
           b_scale_uniform=True,
         )
@@ -1003,7 +1003,7 @@ def quant_sweep(b: Bench, copy_bw: float, only: str | None = None):
         nbytes=nbytes,
       ):
         f = jax.jit(
-          lambda x: quantize_mgpu.quantize_mgpu(
+          lambda x: mosaic_gpu_quantize.quantize_mgpu(
             x, block=block, hadamard=hb, **kw
           )
         )

@@ -12,7 +12,7 @@ signature and computes the product from FP8 operands with block scales:
 backward reuses the forward's quantized rhs (with MXFP8's square blocks the
 transposed use shares values and scales; with 1x128 activations the FP8
 weight gradient quantizes g and the lhs again along m, transposed, in one
-pass each: `quantize_mgpu.transpose_quantize_mgpu` reads g as it is and
+pass each: `mosaic_gpu_quantize.transpose_quantize_mgpu` reads g as it is and
 the lhs as the forward's values and scales, without writing a transpose;
 its pass over g also quantizes g along n for dX (`rows_too`), so g is
 read once for both (15-25% faster than two passes).
@@ -38,8 +38,8 @@ interpret mode on CPU). `None` picks "mosaic" on GPU. Configurations a kernel
 does not cover fall back to the reference quantizer or product. A raw bf16
 left operand whose quantized values nothing else reads (`lhs` unless the
 weight gradient is FP8; `g` in `d lhs` unless it is) is quantized inside
-the GEMM kernel (`matmul_mgpu.quantizing_matmul_mgpu`), with the same values
-and scales, where the product has at most `QUANTIZE_IN_GEMM_MAX_N` output
+the GEMM kernel (`mosaic_gpu_matmul.quantizing_matmul_mgpu`), with the same
+values and scales, where the product has at most `QUANTIZE_IN_GEMM_MAX_N` output
 columns, a 16-bit output and round-to-nearest.
 
 Error bound of the forward (tested): per element of `out`,
@@ -58,7 +58,7 @@ from jax import lax
 
 from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import format as fmt
-from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
 
@@ -133,16 +133,16 @@ def _map_batch(fn, axis_size, in_batched, args):
 @functools.cache
 def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
   """The kernel call on one `[r, c]` matrix, batched by folding into rows."""
-  cp = _round_up(c, quantize_mgpu.TILE_C)
+  cp = _round_up(c, mosaic_gpu_quantize.TILE_C)
   br, bc = block
 
   def one(x_rc, seed_hash):
     rows = x_rc.shape[0]
     x = jnp.pad(
       x_rc.astype(jnp.bfloat16),
-      ((0, _round_up(rows, quantize_mgpu.TILE_R) - rows), (0, cp - c)),
+      ((0, _round_up(rows, mosaic_gpu_quantize.TILE_R) - rows), (0, cp - c)),
     )
-    v, se = quantize_mgpu.quantize_mgpu(
+    v, se = mosaic_gpu_quantize.quantize_mgpu(
       x,
       seed_hash,
       block=block,
@@ -180,8 +180,8 @@ def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
 def _quantize_2d_mosaic(x_rc, block, hadamard, hadamard_seed, seed_hash):
   r, c = x_rc.shape
   if (
-    tuple(block) not in quantize_mgpu.SUPPORTED_BLOCKS
-    or hadamard not in quantize_mgpu.SUPPORTED_HADAMARD
+    tuple(block) not in mosaic_gpu_quantize.SUPPORTED_BLOCKS
+    or hadamard not in mosaic_gpu_quantize.SUPPORTED_HADAMARD
     or r == 0
     or c == 0
     # The kernel reads bf16; other inputs would be rounded to bf16 first and
@@ -201,7 +201,7 @@ def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
   or e4m3 with its compact scales; batched with `lax.map`. Returns the
   values and compact scales of `x^T`, and with `rows_too` (bf16) those of
   `x` quantized along its rows too."""
-  tile = quantize_mgpu.TILE_C
+  tile = mosaic_gpu_quantize.TILE_C
   rp, cp = _round_up(r, tile), _round_up(c, tile)
 
   def one(x, *scales):
@@ -212,7 +212,7 @@ def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
       jnp.pad(_expand(s, 1, r), ((0, 0), (0, rp - r)), constant_values=1)
       for s in scales
     ]
-    v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+    v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
       x, *sx, interpret=mosaic.resolve_interpret(), rows_too=rows_too
     )
     out = (v[:c, :r], se.T[:c, : -(-r // tile)])
@@ -283,13 +283,13 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     return b_rows % bs.tile_n == 0
 
   if quantize_a:
-    bs = matmul_mgpu.QuantizingBlockSizes()
+    bs = mosaic_gpu_matmul.QuantizingBlockSizes()
     cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
     tile_k = kb
   else:
     # Per-row weight scales (FP8 weight gradients) have tiles of their own.
-    bs = matmul_mgpu.default_block_sizes(
-      kb, out_dtype, uniform(matmul_mgpu.BlockSizes())
+    bs = mosaic_gpu_matmul.default_block_sizes(
+      kb, out_dtype, uniform(mosaic_gpu_matmul.BlockSizes())
     )
     cta_n, tile_k = bs.cluster_tile()[1], bs.tile_k
   kp = _round_up(k, tile_k)
@@ -299,7 +299,8 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     if quantize_a:
       mp = _round_up(rows, cta_m)
     else:
-      # Any multiple of 8 rows, at least one tile (`matmul_mgpu.row_start`).
+      # Any multiple of 8 rows, at least one tile
+      # (`mosaic_gpu_matmul.row_start`).
       mp = max(_round_up(rows, 8), bs.cta_tile()[0])
     np_ = _round_up(n, cta_n)
     jp = kp // kb
@@ -318,18 +319,18 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       b_scale_uniform=uniform(bs),
     )
     if quantize_a:
-      out = matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, **kw)
+      out = mosaic_gpu_matmul.quantizing_matmul_mgpu(a, b, sb, **kw)
     else:
       sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
       # Too few output tiles for the chip (weight gradients): split-K,
       # with f32 partial tiles (and the epilogue buffers for them), in
       # the tile that fills the chip better.
-      split_bs, splits = matmul_mgpu.split_k_plan(
+      split_bs, splits = mosaic_gpu_matmul.split_k_plan(
         mp, np_, kp, kb, uniform=uniform(bs)
       )
       if splits > 1:
         kw.update(block_sizes=split_bs, b_scale_uniform=uniform(split_bs))
-      out = matmul_mgpu.scaled_matmul_mgpu(
+      out = mosaic_gpu_matmul.scaled_matmul_mgpu(
         a, sa, b, sb, kb=kb, splits=splits, **kw
       )
     return out[:rows, :n]
@@ -379,7 +380,7 @@ QUANTIZE_IN_GEMM_MAX_N = 512
 def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
   """The product with raw `a` quantized in its kernel, where that is
   faster (bf16 `a` in 1 x 128 blocks, 128 x 128 weight blocks, `n <=
-  QUANTIZE_IN_GEMM_MAX_N`) and fits (`matmul_mgpu.quantizing_fits`);
+  QUANTIZE_IN_GEMM_MAX_N`) and fits (`mosaic_gpu_matmul.quantizing_fits`);
   None elsewhere (the caller quantizes first)."""
   b_v, b_s, b_block = b
   (m, k), n = a_rc.shape, b_v.shape[0]
@@ -387,7 +388,7 @@ def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
     a_block != (1, 128)
     or b_block != (128, 128)
     or a_rc.dtype != jnp.bfloat16
-    or not matmul_mgpu.quantizing_fits(out_dtype)
+    or not mosaic_gpu_matmul.quantizing_fits(out_dtype)
     or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
     or 0 in (m, k)
   ):

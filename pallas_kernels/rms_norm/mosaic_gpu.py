@@ -81,7 +81,7 @@ reduction over axes 1 and 2 and a block's maximum one over axis 2, both
 warp shuffles. From the `y` registers (rounded to the output dtype first,
 so the result is bit-identical to `fp8.quantize` of the returned `y`):
 `pow2_scale` of the block maxima, then the hardware conversion to e4m3
-(round to nearest even, as `fp8.quantize_mgpu`). Values leave with `y` and
+(round to nearest even, as `fp8.mosaic_gpu_quantize`). Values leave with `y` and
 `h`; the scales, `[m, d/128]` per tile, go to an array of whole tiles (a
 bulk copy moves a multiple of 16 bytes, which a ragged tail need not be),
 transposed where `d/128` f32 are not a multiple of 16 bytes
@@ -708,7 +708,7 @@ def _quantize_blocks(cfg: _Config, y):
   over axis 2 inside one warp; the rounding is the hardware conversion
   (round to nearest even; `|y / s| <= 448`, so saturation never acts),
   which equals the reference's integer rounding bit for bit (as in
-  `fp8.quantize_mgpu`)."""
+  `fp8.mosaic_gpu_quantize`)."""
   scale, inv = fp8_format.pow2_scale(jnp.max(jnp.abs(y), axis=2))
   return (y * _bcast(inv, cfg, (0, 1))).astype(fp8_format.E4M3), scale
 

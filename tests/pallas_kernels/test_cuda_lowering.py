@@ -16,7 +16,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.block_attention.op import block_attention_mosaic
-from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
 from pallas_kernels.gdpa import mosaic_gpu as gdpa_mg
 from pallas_kernels.gdpa import mosaic_gpu_bwd_dq as gdpa_bwd_dq
 from pallas_kernels.gdpa.op import gdpa_mosaic
@@ -160,7 +160,7 @@ def test_rms_norm_fp8_output(d):
   "block,hadamard", [((32, 32), 32), ((1, 128), None), ((1, 128), 128)]
 )
 def test_fp8_quantize(block, hadamard):
-  f = lambda x: quantize_mgpu.quantize_mgpu(
+  f = lambda x: mosaic_gpu_quantize.quantize_mgpu(
     x, block=block, hadamard=hadamard, interpret=False
   )
   _lowers_for_cuda(f, _spec((16384, 4096)), kernels=1)
@@ -176,7 +176,7 @@ def test_fp8_transpose_quantize(r, c, form):
   scaled = form == "e4m3"
   x = _spec((r, c), jnp.float8_e4m3fn if scaled else BF16)
   sx = _spec((c // 128, r), jnp.float32) if scaled else None
-  f = lambda x, sx: quantize_mgpu.transpose_quantize_mgpu(
+  f = lambda x, sx: mosaic_gpu_quantize.transpose_quantize_mgpu(
     x, sx, rows_too=form == "bf16 rows_too"
   )
   _lowers_for_cuda(f, x, sx, kernels=1)
@@ -188,15 +188,15 @@ def test_fp8_transpose_quantize(r, c, form):
 def test_fp8_matmul(kb, op_default, m, k, n):
   """Plain tiles and the op's default (at kb=128 a 2-CTA cluster); at the
   short k the per-tile pipelines are chained."""
-  bs = matmul_mgpu.BlockSizes()
+  bs = mosaic_gpu_matmul.BlockSizes()
   if op_default:
-    bs = matmul_mgpu.default_block_sizes(kb)
+    bs = mosaic_gpu_matmul.default_block_sizes(kb)
   _fp8_matmul_lowers(m, k, n, kb, bs)
 
 
 def _fp8_matmul_lowers(m, k, n, kb, bs, splits=1):
   f8 = jnp.float8_e4m3fn
-  f = lambda a, sa, b, sb: matmul_mgpu.scaled_matmul_mgpu(
+  f = lambda a, sa, b, sb: mosaic_gpu_matmul.scaled_matmul_mgpu(
     a, sa, b, sb, kb=kb, block_sizes=bs, splits=splits, interpret=False
   )
   _lowers_for_cuda(
@@ -215,7 +215,7 @@ def test_fp8_matmul_split_k(m, n):
   tokens): split-K with f32 partial tiles, in the tile and runs the op
   takes (per-row scales on both sides)."""
   k, kb = 65536, 128
-  bs, splits = matmul_mgpu.split_k_plan(m, n, k, kb, uniform=False)
+  bs, splits = mosaic_gpu_matmul.split_k_plan(m, n, k, kb, uniform=False)
   assert splits == 2
   _fp8_matmul_lowers(m, k, n, kb, bs, splits)
 
@@ -226,8 +226,8 @@ def test_fp8_matmul_split_k(m, n):
 def test_fp8_quantizing_matmul(m, k, n, uniform, cluster_m):
   """`a` quantized in the GEMM (two quantizer warpgroups, setmaxnreg),
   alone or in clusters multicasting the weight tiles."""
-  bs = matmul_mgpu.QuantizingBlockSizes(cluster_m=cluster_m)
-  f = lambda a, b, sb: matmul_mgpu.quantizing_matmul_mgpu(
+  bs = mosaic_gpu_matmul.QuantizingBlockSizes(cluster_m=cluster_m)
+  f = lambda a, b, sb: mosaic_gpu_matmul.quantizing_matmul_mgpu(
     a, b, sb, block_sizes=bs, b_scale_uniform=uniform, interpret=False
   )
   _lowers_for_cuda(
@@ -242,9 +242,9 @@ def test_fp8_quantizing_matmul(m, k, n, uniform, cluster_m):
 def test_fp8_quantizing_matmul_f32_output_with_one_stage():
   """`quantizing_fits` says one bf16 stage per quantizer leaves room for
   an f32 epilogue (the default two do not): it lowers."""
-  bs = matmul_mgpu.QuantizingBlockSizes(stages_a=1)
-  assert matmul_mgpu.quantizing_fits(jnp.float32, bs)
-  f = lambda a, b, sb: matmul_mgpu.quantizing_matmul_mgpu(
+  bs = mosaic_gpu_matmul.QuantizingBlockSizes(stages_a=1)
+  assert mosaic_gpu_matmul.quantizing_fits(jnp.float32, bs)
+  f = lambda a, b, sb: mosaic_gpu_matmul.quantizing_matmul_mgpu(
     a, b, sb, block_sizes=bs, out_dtype=jnp.float32, interpret=False
   )
   _lowers_for_cuda(

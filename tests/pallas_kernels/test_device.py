@@ -19,7 +19,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import dispatch, mosaic, schedule
-from pallas_kernels.fp8 import matmul_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_matmul
 from pallas_kernels.jagged_attention import mosaic_gpu as jagged_mg
 from pallas_kernels.jagged_attention.op import (
   jagged_attention_mosaic as jagged_attention,
@@ -104,9 +104,9 @@ def test_persistent_grids_follow_the_gpu(h20):
 
   # FP8 split-K: a 64-tile weight gradient fills 78 SMs without a split
   # (it took 2 runs on 132).
-  bs8 = matmul_mgpu.BlockSizes()
-  assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8) == 1
-  assert matmul_mgpu.k_splits(2048, 512, 65_536, bs8, num_sms=132) == 2
+  bs8 = mosaic_gpu_matmul.BlockSizes()
+  assert mosaic_gpu_matmul.k_splits(2048, 512, 65_536, bs8) == 1
+  assert mosaic_gpu_matmul.k_splits(2048, 512, 65_536, bs8, num_sms=132) == 2
 
 
 def test_profiling_reaches_compiled_kernels_only(monkeypatch, tmp_path):

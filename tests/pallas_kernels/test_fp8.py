@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import dispatch, fp8
 from pallas_kernels.fp8 import format as fmt
-from pallas_kernels.fp8 import matmul_mgpu, quantize_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
 from pallas_kernels.fp8 import op as fp8_op
 from pallas_kernels.fp8 import reference as ref
 
@@ -530,7 +530,7 @@ def test_quantize_kernel_interpret_equals_reference(
   # A subnormal e4m3 result and zeros (the row maximum sets the scale).
   x = x.at[0, :4].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
   seed = fmt.hash32(jnp.int32(99)) if sr else None
-  v, se = quantize_mgpu.quantize_mgpu(
+  v, se = mosaic_gpu_quantize.quantize_mgpu(
     x,
     seed,
     block=block,
@@ -596,7 +596,9 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   from the same read (the FP8 backward's two quantizations of `g`)."""
   # About one program per SM: 6 of one tile, 4 of three.
   assert (
-    quantize_mgpu._steps_per_program(r // 128, c // 128, num_sms, per_sm=1)
+    mosaic_gpu_quantize._steps_per_program(
+      r // 128, c // 128, num_sms, per_sm=1
+    )
     == steps
   )
   x = _data(jax.random.key(50), (r, c), jnp.bfloat16)
@@ -604,21 +606,25 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   x = x.at[:4, 0].set(jnp.asarray([1e-3, -(2.0**-12), 0.0, 0.0], jnp.bfloat16))
   src, sx = x, None
   if form == "e4m3":
-    src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128), interpret=True)
+    src, sx = mosaic_gpu_quantize.quantize_mgpu(
+      x, block=(1, 128), interpret=True
+    )
     sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
     x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
   rows_too = form == "bf16 rows_too"
-  v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+  v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
     src, sx, interpret=True, num_sms=num_sms, rows_too=rows_too
   )
-  rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128), interpret=True)
+  rv, rse = mosaic_gpu_quantize.quantize_mgpu(
+    x.T, block=(1, 128), interpret=True
+  )
   assert v.shape == (c, r) and se.shape == (r // 128, c)
   np.testing.assert_array_equal(se, rse)
   np.testing.assert_array_equal(v.astype(jnp.float32), rv.astype(jnp.float32))
   assert len(rows) == (2 if rows_too else 0)
   if rows_too:
     vr, ser = rows
-    want_v, want_s = quantize_mgpu.quantize_mgpu(
+    want_v, want_s = mosaic_gpu_quantize.quantize_mgpu(
       x, block=(1, 128), interpret=True
     )
     assert vr.shape == (r, c) and ser.shape == want_s.shape
@@ -631,17 +637,21 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
 def test_transpose_quantize_refuses_bad_input():
   x = jnp.zeros((128, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="128"):
-    quantize_mgpu.transpose_quantize_mgpu(x[:64], interpret=True)
+    mosaic_gpu_quantize.transpose_quantize_mgpu(x[:64], interpret=True)
   with pytest.raises(ValueError, match="scales go with e4m3"):
-    quantize_mgpu.transpose_quantize_mgpu(x, jnp.ones((1, 128)), interpret=True)
+    mosaic_gpu_quantize.transpose_quantize_mgpu(
+      x, jnp.ones((1, 128)), interpret=True
+    )
   with pytest.raises(ValueError, match="must be bf16"):
-    quantize_mgpu.transpose_quantize_mgpu(x.astype(jnp.float32), interpret=True)
+    mosaic_gpu_quantize.transpose_quantize_mgpu(
+      x.astype(jnp.float32), interpret=True
+    )
   with pytest.raises(ValueError, match="scales"):
-    quantize_mgpu.transpose_quantize_mgpu(
+    mosaic_gpu_quantize.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn), jnp.ones((2, 128)), interpret=True
     )
   with pytest.raises(ValueError, match="rows_too quantizes a bf16"):
-    quantize_mgpu.transpose_quantize_mgpu(
+    mosaic_gpu_quantize.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn),
       jnp.ones((1, 128)),
       interpret=True,
@@ -657,12 +667,15 @@ def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   under vmap."""
   calls = _spy(
     monkeypatch,
-    quantize_mgpu,
+    mosaic_gpu_quantize,
     "transpose_quantize_mgpu",
     lambda x, *_, rows_too=False, **__: (x.shape, x.dtype.name, rows_too),
   )
   plain = _spy(
-    monkeypatch, quantize_mgpu, "quantize_mgpu", lambda x, *_, **__: x.shape
+    monkeypatch,
+    mosaic_gpu_quantize,
+    "quantize_mgpu",
+    lambda x, *_, **__: x.shape,
   )
   x = _data(jax.random.key(51), (70, 256), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(52), (256, 300), jnp.bfloat16, spread=1.0)
@@ -691,7 +704,7 @@ def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   _close_bf16(batched("mosaic"), batched("xla"))
 
 
-_B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
+_B, _D = mosaic_gpu_matmul.BlockSizes, mosaic_gpu_matmul.Dim
 
 
 @pytest.mark.parametrize(
@@ -710,7 +723,7 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
       128,
       (1, 128),
       (128, 128),
-      matmul_mgpu.default_block_sizes(128, jnp.float32),
+      mosaic_gpu_matmul.default_block_sizes(128, jnp.float32),
       384,  # chained: 3 steps per tile in a 3-stage ring
     ),
     # Three warpgroups in 2-CTA clusters along N (multicast activations).
@@ -724,7 +737,7 @@ _B, _D = matmul_mgpu.BlockSizes, matmul_mgpu.Dim
       128,
       (1, 128),
       (1, 128),
-      matmul_mgpu.default_block_sizes(128, jnp.float32, uniform=False),
+      mosaic_gpu_matmul.default_block_sizes(128, jnp.float32, uniform=False),
       768,
     ),
     (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N), 256),
@@ -736,7 +749,7 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
   b = _data(jax.random.key(30), (n, k))
   av, as_ = ref.quantize_reference(a, block=ablk)
   bv, bs_ = ref.quantize_reference(b, block=bblk)
-  out = matmul_mgpu.scaled_matmul_mgpu(
+  out = mosaic_gpu_matmul.scaled_matmul_mgpu(
     av,
     jnp.repeat(as_.T, ablk[0], axis=1)[:, :m],
     bv,
@@ -764,7 +777,7 @@ def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
   b = _data(jax.random.key(56), (n, k))
   av, as_ = ref.quantize_reference(a, block=(1, 128))
   bv, bs_ = ref.quantize_reference(b, block=(1, 128))
-  out = matmul_mgpu.scaled_matmul_mgpu(
+  out = mosaic_gpu_matmul.scaled_matmul_mgpu(
     av,
     as_.T,
     bv,
@@ -779,58 +792,65 @@ def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
   want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, (1, 128))
   _close_bf16(out, want)
   with pytest.raises(ValueError, match="splits=3"):
-    matmul_mgpu.scaled_matmul_mgpu(
+    mosaic_gpu_matmul.scaled_matmul_mgpu(
       av, as_.T, bv, bs_.T, kb=128, interpret=True, splits=3
     )
 
 
 def test_k_splits_fill_the_chip_with_long_runs():
-  bs = matmul_mgpu.default_block_sizes(128)  # 192 x 128 CTA tiles
+  bs = mosaic_gpu_matmul.default_block_sizes(128)  # 192 x 128 CTA tiles
   # Weight gradients over 65,536 tokens: 44 / 48 CTAs -> two runs.
-  assert matmul_mgpu.k_splits(2048, 512, 65536, bs) == 2
-  assert matmul_mgpu.k_splits(512, 2048, 65536, bs) == 2
+  assert mosaic_gpu_matmul.k_splits(2048, 512, 65536, bs) == 2
+  assert mosaic_gpu_matmul.k_splits(512, 2048, 65536, bs) == 2
   # 12 CTAs over 65,536: four runs would leave 128 steps each, eight 64.
-  assert matmul_mgpu.k_splits(512, 512, 65536, bs) == 8
+  assert mosaic_gpu_matmul.k_splits(512, 512, 65536, bs) == 8
   # Enough tiles, or too short a contraction: none.
-  assert matmul_mgpu.k_splits(4096, 4096, 16384, bs) == 1
-  assert matmul_mgpu.k_splits(2048, 512, 4096, bs) == 1
+  assert mosaic_gpu_matmul.k_splits(4096, 4096, 16384, bs) == 1
+  assert mosaic_gpu_matmul.k_splits(2048, 512, 4096, bs) == 1
 
 
 def test_split_k_plan_takes_the_tile_that_fills_the_chip():
-  default = matmul_mgpu.default_block_sizes(128, jnp.float32)
+  default = mosaic_gpu_matmul.default_block_sizes(128, jnp.float32)
   # dW [2048, 512] / [512, 2048] over 65,536 tokens: 44 / 48 tiles of
   # 192 x 128 in two runs fill 88 / 96 of 132 SMs, 64 of 128 x 128 fill 128.
   for m, n in [(2048, 512), (512, 2048)]:
-    bs, splits = matmul_mgpu.split_k_plan(m, n, 65536, 128, num_sms=132)
+    bs, splits = mosaic_gpu_matmul.split_k_plan(m, n, 65536, 128, num_sms=132)
     assert (bs.cta_tile(), splits) == ((128, 128), 2)
     assert (
-      matmul_mgpu.smem_bytes(bs, 128, jnp.float32) <= matmul_mgpu.SMEM_BYTES
+      mosaic_gpu_matmul.smem_bytes(bs, 128, jnp.float32)
+      <= mosaic_gpu_matmul.SMEM_BYTES
     )
   # Two runs of 16 tiles of 192 x 128 fill 32 SMs (24 of 128 x 128, too
   # many to split, fill 24): the default.
-  bs, splits = matmul_mgpu.split_k_plan(768, 512, 65536, 128, num_sms=32)
+  bs, splits = mosaic_gpu_matmul.split_k_plan(768, 512, 65536, 128, num_sms=32)
   assert (bs, splits) == (default, 2)
   # Enough tiles: no split.
-  assert matmul_mgpu.split_k_plan(4096, 4096, 16384, 128, num_sms=132)[1] == 1
+  assert (
+    mosaic_gpu_matmul.split_k_plan(4096, 4096, 16384, 128, num_sms=132)[1] == 1
+  )
   # Per-row scales on both sides (the FP8 weight gradient): their default
   # tile, 128 x 128 with two block products in flight, in two runs.
-  per_row = matmul_mgpu.default_block_sizes(128, jnp.float32, uniform=False)
+  per_row = mosaic_gpu_matmul.default_block_sizes(
+    128, jnp.float32, uniform=False
+  )
   assert (per_row.cta_tile(), per_row.tile_k) == ((128, 128), 256)
-  plan = matmul_mgpu.split_k_plan(2048, 512, 65536, 128, 132, uniform=False)
+  plan = mosaic_gpu_matmul.split_k_plan(
+    2048, 512, 65536, 128, 132, uniform=False
+  )
   assert plan == (per_row, 2)
   # Rows for neither tile.
   with pytest.raises(ValueError, match="fits neither"):
-    matmul_mgpu.split_k_plan(64, 512, 65536, 128)
+    mosaic_gpu_matmul.split_k_plan(64, 512, 65536, 128)
 
 
 def test_op_splits_k_for_weight_gradients(monkeypatch):
   """The FP8 weight gradient of a product with few output tiles runs
   split-K (here with runs of 2 k-steps, so small shapes qualify) and
   equals the reference."""
-  monkeypatch.setattr(matmul_mgpu, "_SPLIT_MIN_K_STEPS", 2)
+  monkeypatch.setattr(mosaic_gpu_matmul, "_SPLIT_MIN_K_STEPS", 2)
   seen = _spy(
     monkeypatch,
-    matmul_mgpu,
+    mosaic_gpu_matmul,
     "scaled_matmul_mgpu",
     lambda *_, splits=1, **__: splits,
   )
@@ -847,7 +867,7 @@ def test_op_splits_k_for_weight_gradients(monkeypatch):
     _close_bf16(a, b)
 
 
-_QB = matmul_mgpu.QuantizingBlockSizes
+_QB = mosaic_gpu_matmul.QuantizingBlockSizes
 
 
 @pytest.mark.parametrize(
@@ -879,7 +899,7 @@ def test_quantizing_matmul_interpret_equals_reference(
   b = _data(jax.random.key(42), (n, k))
   bblk = (128, 128) if uniform else (1, 128)
   bv, bs_ = ref.quantize_reference(b, block=bblk)
-  out = matmul_mgpu.quantizing_matmul_mgpu(
+  out = mosaic_gpu_matmul.quantizing_matmul_mgpu(
     a,
     bv,
     jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
@@ -900,16 +920,16 @@ def test_quantizing_matmul_refuses_what_does_not_fit():
   """The default tiles with an f32 output take the kernel over its shared
   memory (234,624 B lowered for CUDA): a clear error when compiling (the
   op quantizes first there), none in interpret mode."""
-  assert not matmul_mgpu.quantizing_fits(jnp.float32)
-  assert matmul_mgpu.quantizing_fits(jnp.bfloat16)
+  assert not mosaic_gpu_matmul.quantizing_fits(jnp.float32)
+  assert mosaic_gpu_matmul.quantizing_fits(jnp.bfloat16)
   # One bf16 stage per quantizer frees enough for f32.
-  small = matmul_mgpu.QuantizingBlockSizes(stages_a=1)
-  assert matmul_mgpu.quantizing_fits(jnp.float32, small)
+  small = mosaic_gpu_matmul.QuantizingBlockSizes(stages_a=1)
+  assert mosaic_gpu_matmul.quantizing_fits(jnp.float32, small)
   a = jnp.ones((64, 128), jnp.bfloat16)
   b = jnp.ones((256, 128), jnp.float8_e4m3fn)
   sb = jnp.ones((1, 256), jnp.float32)
   with pytest.raises(ValueError, match="float32 output does not fit"):
-    matmul_mgpu.quantizing_matmul_mgpu(a, b, sb, out_dtype=jnp.float32)
+    mosaic_gpu_matmul.quantizing_matmul_mgpu(a, b, sb, out_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
@@ -923,7 +943,7 @@ def test_quantizing_matmul_is_race_free(cluster_m):
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
     jax.block_until_ready(
-      matmul_mgpu.quantizing_matmul_mgpu(
+      mosaic_gpu_matmul.quantizing_matmul_mgpu(
         a,
         bv,
         jnp.repeat(bs_.T, 128, axis=1),
@@ -951,7 +971,7 @@ def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
   or not), g in dx = g w^T. Results equal the reference."""
   calls = _spy(
     monkeypatch,
-    matmul_mgpu,
+    mosaic_gpu_matmul,
     "quantizing_matmul_mgpu",
     lambda a, *_, **__: a.shape,
   )
@@ -1031,7 +1051,7 @@ def test_op_overlaps_the_last_row_tile_instead_of_padding(monkeypatch):
   gets the rows as they are (no pad, no slice) and equals the reference."""
   rows = _spy(
     monkeypatch,
-    matmul_mgpu,
+    mosaic_gpu_matmul,
     "scaled_matmul_mgpu",
     lambda a, *_, **__: a.shape[0],
   )
@@ -1111,7 +1131,7 @@ def test_gpu_quantize_kernel(block, hb, sr, kw):
   # 6144 rows: 1536 tiles, so the persistent workers get unequal counts.
   x = _data(jax.random.key(34), (6144, 2048), jnp.bfloat16)
   seed = fmt.hash32(jnp.int32(5)) if sr else None
-  v, se = quantize_mgpu.quantize_mgpu(
+  v, se = mosaic_gpu_quantize.quantize_mgpu(
     x, seed, block=block, hadamard=hb, sr=sr, **kw
   )
   rv, rs = ref.quantize_reference(x, block=block, hadamard=hb, seed_hash=seed)
@@ -1133,16 +1153,18 @@ def test_gpu_split_k_matmul(m, n, k):
   bv, bs_ = ref.quantize_reference(b, block=(1, 128))
   # The tile and runs op.py takes (`split_k_plan`; per-row scales on both
   # sides), and the default tile.
-  plan_bs, plan_splits = matmul_mgpu.split_k_plan(m, n, k, 128, uniform=False)
-  bs = matmul_mgpu.default_block_sizes(128, jnp.float32)
+  plan_bs, plan_splits = mosaic_gpu_matmul.split_k_plan(
+    m, n, k, 128, uniform=False
+  )
+  bs = mosaic_gpu_matmul.default_block_sizes(128, jnp.float32)
   outs = [
-    matmul_mgpu.scaled_matmul_mgpu(
+    mosaic_gpu_matmul.scaled_matmul_mgpu(
       av, as_.T, bv, bs_.T, kb=128, block_sizes=b, splits=splits
     )
     for b, splits in [
       (bs, 1),
       (plan_bs, plan_splits),
-      (bs, matmul_mgpu.k_splits(m, n, k, bs)),
+      (bs, mosaic_gpu_matmul.k_splits(m, n, k, bs)),
     ]
   ]
   _close_bf16(outs[2], outs[0])
@@ -1165,22 +1187,22 @@ def test_gpu_transpose_quantize_kernel(r, c, num_sms, form):
   x = _data(jax.random.key(54), (r, c), jnp.bfloat16)
   src, sx = x, None
   if form == "e4m3":
-    src, sx = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
+    src, sx = mosaic_gpu_quantize.quantize_mgpu(x, block=(1, 128))
     x = (src.astype(jnp.float32) * jnp.repeat(sx, 128, axis=0).T).astype(
       jnp.bfloat16
     )
   rows_too = form == "bf16 rows_too"
-  v, se, *rows = quantize_mgpu.transpose_quantize_mgpu(
+  v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
     src, sx, num_sms=num_sms, rows_too=rows_too
   )
-  rv, rse = quantize_mgpu.quantize_mgpu(x.T, block=(1, 128))
+  rv, rse = mosaic_gpu_quantize.quantize_mgpu(x.T, block=(1, 128))
   np.testing.assert_array_equal(np.asarray(se), np.asarray(rse))
   np.testing.assert_array_equal(
     np.asarray(v, np.float32), np.asarray(rv, np.float32)
   )
   assert len(rows) == (2 if rows_too else 0)
   if rows_too:
-    wv, wse = quantize_mgpu.quantize_mgpu(x, block=(1, 128))
+    wv, wse = mosaic_gpu_quantize.quantize_mgpu(x, block=(1, 128))
     np.testing.assert_array_equal(np.asarray(rows[1]), np.asarray(wse))
     np.testing.assert_array_equal(
       np.asarray(rows[0], np.float32), np.asarray(wv, np.float32)

@@ -79,7 +79,7 @@ read once instead of read, written as e4m3 and read again. Two quantizer
 warpgroups take the k-steps in turn: each waits for its bf16 tile (TMA),
 loads it into registers, takes the row maxima and power-of-two scales,
 writes e4m3 values and scales to shared memory
-(`quantize_mgpu.quantize_rows`), and signals the two compute warpgroups,
+(`mosaic_gpu_quantize.quantize_rows`), and signals the two compute warpgroups,
 which multiply as above. It pays only for narrow outputs: every 256
 output columns quantize their `a` tile again, and one quantizer
 warpgroup alone was slower than the wgmmas (two are 27% faster; the
@@ -131,7 +131,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic
-from pallas_kernels.fp8 import quantize_mgpu
+from pallas_kernels.fp8 import mosaic_gpu_quantize
 
 # Longest per-tile k loop whose pipeline is chained to the next tile's.
 _CHAIN_MAX_K_STEPS = 16
@@ -637,7 +637,7 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
   """Shared memory of `quantizing_matmul_mgpu`: rings, epilogue, barriers."""
   nq, kb = bs.quantizers, 128
   cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
-  f8_tiles = quantize_mgpu.F8_TILES
+  f8_tiles = mosaic_gpu_quantize.F8_TILES
   f8 = jnp.float8_e4m3fn
   return [
     mosaic.smem_tile((nq * bs.stages_a, cta_m, kb), jnp.bfloat16),
@@ -778,7 +778,7 @@ def _quantizing_kernel(
       def _():
         plgpu.barrier_wait(q_free.at[qs])  # its step j - 2's wgmmas are done
 
-      q, scale = quantize_mgpu.quantize_rows(a_ring.at[a0 + slot])
+      q, scale = mosaic_gpu_quantize.quantize_rows(a_ring.at[a0 + slot])
       qa_ring[qs] = q
       sa_ring[qs] = scale
       plgpu.commit_smem()  # (with a warpgroup barrier: every thread's)
