@@ -66,7 +66,11 @@ from jax import lax
 
 from benchmarks import common
 from pallas_kernels import Fp8Output, fp8, rms_norm, rms_norm_reference
-from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
+from pallas_kernels.fp8 import (
+  mosaic_gpu_matmul,
+  mosaic_gpu_quantize,
+  mosaic_gpu_quantizing_matmul,
+)
 from pallas_kernels.fp8 import reference as ref
 
 NAME = "fp8_matmul"
@@ -871,7 +875,10 @@ def sweep(b: Bench, only: str | None = None):
 
 def _qgemm_configs():
   """(name, QuantizingBlockSizes) of the quantizing GEMM's sweep."""
-  Q, D = mosaic_gpu_matmul.QuantizingBlockSizes, mosaic_gpu_matmul.Dim
+  Q, D = (
+    mosaic_gpu_quantizing_matmul.QuantizingBlockSizes,
+    mosaic_gpu_matmul.Dim,
+  )
   return [
     ("quantizing (default)", Q()),
     ("quantizing clusterM", Q(cluster_m=2)),
@@ -918,7 +925,7 @@ def _qgemm_shape(b: Bench, m, k, n, only):
     def one(bs=bs, name=name):
       f = jax.jit(
         functools.partial(
-          mosaic_gpu_matmul.quantizing_matmul_mgpu,
+          mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu,
           block_sizes=bs,
           b_scale_uniform=True,
         )

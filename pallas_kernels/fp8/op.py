@@ -38,9 +38,10 @@ interpret mode on CPU). `None` picks "mosaic" on GPU. Configurations a kernel
 does not cover fall back to the reference quantizer or product. A raw bf16
 left operand whose quantized values nothing else reads (`lhs` unless the
 weight gradient is FP8; `g` in `d lhs` unless it is) is quantized inside
-the GEMM kernel (`mosaic_gpu_matmul.quantizing_matmul_mgpu`), with the same
-values and scales, where the product has at most `QUANTIZE_IN_GEMM_MAX_N` output
-columns, a 16-bit output and round-to-nearest.
+the GEMM kernel (`mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu`),
+with the same values and scales, where the product has at most
+`QUANTIZE_IN_GEMM_MAX_N` output columns, a 16-bit output and
+round-to-nearest.
 
 Error bound of the forward (tested): per element of `out`,
 |out - x.w| <= sum_k |x_k||w_k| (2 u + u^2) + subnormal terms, u = 2^-4
@@ -58,7 +59,11 @@ from jax import lax
 
 from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import format as fmt
-from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
+from pallas_kernels.fp8 import (
+  mosaic_gpu_matmul,
+  mosaic_gpu_quantize,
+  mosaic_gpu_quantizing_matmul,
+)
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
 
@@ -283,7 +288,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
     return b_rows % bs.tile_n == 0
 
   if quantize_a:
-    bs = mosaic_gpu_matmul.QuantizingBlockSizes()
+    bs = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes()
     cta_m, cta_n = bs.cta_rows(), 2 * bs.tile_n
     tile_k = kb
   else:
@@ -319,7 +324,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       b_scale_uniform=uniform(bs),
     )
     if quantize_a:
-      out = mosaic_gpu_matmul.quantizing_matmul_mgpu(a, b, sb, **kw)
+      out = mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(a, b, sb, **kw)
     else:
       sa = jnp.pad(sa_Jm, ((0, jp - sa_Jm.shape[0]), (0, mp - rows)))
       # Too few output tiles for the chip (weight gradients): split-K,
@@ -380,15 +385,16 @@ QUANTIZE_IN_GEMM_MAX_N = 512
 def _quantizing_matmul_mosaic(a_rc, a_block, b, out_dtype):
   """The product with raw `a` quantized in its kernel, where that is
   faster (bf16 `a` in 1 x 128 blocks, 128 x 128 weight blocks, `n <=
-  QUANTIZE_IN_GEMM_MAX_N`) and fits (`mosaic_gpu_matmul.quantizing_fits`);
-  None elsewhere (the caller quantizes first)."""
+  QUANTIZE_IN_GEMM_MAX_N`) and fits
+  (`mosaic_gpu_quantizing_matmul.quantizing_fits`); None elsewhere (the
+  caller quantizes first)."""
   b_v, b_s, b_block = b
   (m, k), n = a_rc.shape, b_v.shape[0]
   if (
     a_block != (1, 128)
     or b_block != (128, 128)
     or a_rc.dtype != jnp.bfloat16
-    or not mosaic_gpu_matmul.quantizing_fits(out_dtype)
+    or not mosaic_gpu_quantizing_matmul.quantizing_fits(out_dtype)
     or not 0 < n <= QUANTIZE_IN_GEMM_MAX_N
     or 0 in (m, k)
   ):

@@ -16,7 +16,11 @@ import pytest
 from jax import export
 
 from pallas_kernels.block_attention.op import block_attention_mosaic
-from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
+from pallas_kernels.fp8 import (
+  mosaic_gpu_matmul,
+  mosaic_gpu_quantize,
+  mosaic_gpu_quantizing_matmul,
+)
 from pallas_kernels.gdpa import mosaic_gpu as gdpa_mg
 from pallas_kernels.gdpa import mosaic_gpu_bwd_dq as gdpa_bwd_dq
 from pallas_kernels.gdpa.op import gdpa_mosaic
@@ -226,8 +230,8 @@ def test_fp8_matmul_split_k(m, n):
 def test_fp8_quantizing_matmul(m, k, n, uniform, cluster_m):
   """`a` quantized in the GEMM (two quantizer warpgroups, setmaxnreg),
   alone or in clusters multicasting the weight tiles."""
-  bs = mosaic_gpu_matmul.QuantizingBlockSizes(cluster_m=cluster_m)
-  f = lambda a, b, sb: mosaic_gpu_matmul.quantizing_matmul_mgpu(
+  bs = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes(cluster_m=cluster_m)
+  f = lambda a, b, sb: mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
     a, b, sb, block_sizes=bs, b_scale_uniform=uniform, interpret=False
   )
   _lowers_for_cuda(
@@ -242,9 +246,9 @@ def test_fp8_quantizing_matmul(m, k, n, uniform, cluster_m):
 def test_fp8_quantizing_matmul_f32_output_with_one_stage():
   """`quantizing_fits` says one bf16 stage per quantizer leaves room for
   an f32 epilogue (the default two do not): it lowers."""
-  bs = mosaic_gpu_matmul.QuantizingBlockSizes(stages_a=1)
-  assert mosaic_gpu_matmul.quantizing_fits(jnp.float32, bs)
-  f = lambda a, b, sb: mosaic_gpu_matmul.quantizing_matmul_mgpu(
+  bs = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes(stages_a=1)
+  assert mosaic_gpu_quantizing_matmul.quantizing_fits(jnp.float32, bs)
+  f = lambda a, b, sb: mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
     a, b, sb, block_sizes=bs, out_dtype=jnp.float32, interpret=False
   )
   _lowers_for_cuda(

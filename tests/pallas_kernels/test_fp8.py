@@ -29,7 +29,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import dispatch, fp8
 from pallas_kernels.fp8 import format as fmt
-from pallas_kernels.fp8 import mosaic_gpu_matmul, mosaic_gpu_quantize
+from pallas_kernels.fp8 import (
+  mosaic_gpu_matmul,
+  mosaic_gpu_quantize,
+  mosaic_gpu_quantizing_matmul,
+)
 from pallas_kernels.fp8 import op as fp8_op
 from pallas_kernels.fp8 import reference as ref
 
@@ -867,7 +871,7 @@ def test_op_splits_k_for_weight_gradients(monkeypatch):
     _close_bf16(a, b)
 
 
-_QB = mosaic_gpu_matmul.QuantizingBlockSizes
+_QB = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes
 
 
 @pytest.mark.parametrize(
@@ -899,7 +903,7 @@ def test_quantizing_matmul_interpret_equals_reference(
   b = _data(jax.random.key(42), (n, k))
   bblk = (128, 128) if uniform else (1, 128)
   bv, bs_ = ref.quantize_reference(b, block=bblk)
-  out = mosaic_gpu_matmul.quantizing_matmul_mgpu(
+  out = mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
     a,
     bv,
     jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
@@ -920,16 +924,18 @@ def test_quantizing_matmul_refuses_what_does_not_fit():
   """The default tiles with an f32 output take the kernel over its shared
   memory (234,624 B lowered for CUDA): a clear error when compiling (the
   op quantizes first there), none in interpret mode."""
-  assert not mosaic_gpu_matmul.quantizing_fits(jnp.float32)
-  assert mosaic_gpu_matmul.quantizing_fits(jnp.bfloat16)
+  assert not mosaic_gpu_quantizing_matmul.quantizing_fits(jnp.float32)
+  assert mosaic_gpu_quantizing_matmul.quantizing_fits(jnp.bfloat16)
   # One bf16 stage per quantizer frees enough for f32.
-  small = mosaic_gpu_matmul.QuantizingBlockSizes(stages_a=1)
-  assert mosaic_gpu_matmul.quantizing_fits(jnp.float32, small)
+  small = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes(stages_a=1)
+  assert mosaic_gpu_quantizing_matmul.quantizing_fits(jnp.float32, small)
   a = jnp.ones((64, 128), jnp.bfloat16)
   b = jnp.ones((256, 128), jnp.float8_e4m3fn)
   sb = jnp.ones((1, 256), jnp.float32)
   with pytest.raises(ValueError, match="float32 output does not fit"):
-    mosaic_gpu_matmul.quantizing_matmul_mgpu(a, b, sb, out_dtype=jnp.float32)
+    mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
+      a, b, sb, out_dtype=jnp.float32
+    )
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
@@ -943,7 +949,7 @@ def test_quantizing_matmul_is_race_free(cluster_m):
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
     jax.block_until_ready(
-      mosaic_gpu_matmul.quantizing_matmul_mgpu(
+      mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
         a,
         bv,
         jnp.repeat(bs_.T, 128, axis=1),
@@ -971,7 +977,7 @@ def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
   or not), g in dx = g w^T. Results equal the reference."""
   calls = _spy(
     monkeypatch,
-    mosaic_gpu_matmul,
+    mosaic_gpu_quantizing_matmul,
     "quantizing_matmul_mgpu",
     lambda a, *_, **__: a.shape,
   )
