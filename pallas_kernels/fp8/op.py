@@ -12,10 +12,10 @@ signature and computes the product from FP8 operands with block scales:
 backward reuses the forward's quantized rhs (with MXFP8's square blocks the
 transposed use shares values and scales; with 1x128 activations the FP8
 weight gradient quantizes g and the lhs again along m, transposed, in one
-pass each: `mosaic_gpu_quantize.transpose_quantize_mgpu` reads g as it is and
-the lhs as the forward's values and scales, without writing a transpose;
-its pass over g also quantizes g along n for dX (`rows_too`), so g is
-read once for both (15-25% faster than two passes).
+pass each: `mosaic_gpu_transpose_quantize.transpose_quantize_mgpu` reads g
+as it is and the lhs as the forward's values and scales, without writing a
+transpose; its pass over g also quantizes g along n for dX (`rows_too`), so
+g is read once for both (15-25% faster than two passes).
 Gradients are straight-through: the derivative of the FP8 product is taken
 as that of the exact product of its operands. The BF16 weight gradient
 reads the lhs as the caller passed it (its `source` for an `Fp8Tensor`),
@@ -63,6 +63,7 @@ from pallas_kernels.fp8 import (
   mosaic_gpu_matmul,
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
+  mosaic_gpu_transpose_quantize,
 )
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.fp8.format import Fp8Tensor
@@ -217,7 +218,7 @@ def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
       jnp.pad(_expand(s, 1, r), ((0, 0), (0, rp - r)), constant_values=1)
       for s in scales
     ]
-    v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
+    v, se, *rows = mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
       x, *sx, interpret=mosaic.resolve_interpret(), rows_too=rows_too
     )
     out = (v[:c, :r], se.T[:c, : -(-r // tile)])

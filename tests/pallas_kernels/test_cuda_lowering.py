@@ -20,6 +20,7 @@ from pallas_kernels.fp8 import (
   mosaic_gpu_matmul,
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
+  mosaic_gpu_transpose_quantize,
 )
 from pallas_kernels.gdpa import mosaic_gpu as gdpa_mg
 from pallas_kernels.gdpa import mosaic_gpu_bwd_dq as gdpa_bwd_dq
@@ -180,7 +181,7 @@ def test_fp8_transpose_quantize(r, c, form):
   scaled = form == "e4m3"
   x = _spec((r, c), jnp.float8_e4m3fn if scaled else BF16)
   sx = _spec((c // 128, r), jnp.float32) if scaled else None
-  f = lambda x, sx: mosaic_gpu_quantize.transpose_quantize_mgpu(
+  f = lambda x, sx: mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
     x, sx, rows_too=form == "bf16 rows_too"
   )
   _lowers_for_cuda(f, x, sx, kernels=1)

@@ -33,6 +33,7 @@ from pallas_kernels.fp8 import (
   mosaic_gpu_matmul,
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
+  mosaic_gpu_transpose_quantize,
 )
 from pallas_kernels.fp8 import op as fp8_op
 from pallas_kernels.fp8 import reference as ref
@@ -616,7 +617,7 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
     sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
     x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
   rows_too = form == "bf16 rows_too"
-  v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
+  v, se, *rows = mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
     src, sx, interpret=True, num_sms=num_sms, rows_too=rows_too
   )
   rv, rse = mosaic_gpu_quantize.quantize_mgpu(
@@ -641,21 +642,23 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
 def test_transpose_quantize_refuses_bad_input():
   x = jnp.zeros((128, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="128"):
-    mosaic_gpu_quantize.transpose_quantize_mgpu(x[:64], interpret=True)
+    mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
+      x[:64], interpret=True
+    )
   with pytest.raises(ValueError, match="scales go with e4m3"):
-    mosaic_gpu_quantize.transpose_quantize_mgpu(
+    mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
       x, jnp.ones((1, 128)), interpret=True
     )
   with pytest.raises(ValueError, match="must be bf16"):
-    mosaic_gpu_quantize.transpose_quantize_mgpu(
+    mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
       x.astype(jnp.float32), interpret=True
     )
   with pytest.raises(ValueError, match="scales"):
-    mosaic_gpu_quantize.transpose_quantize_mgpu(
+    mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn), jnp.ones((2, 128)), interpret=True
     )
   with pytest.raises(ValueError, match="rows_too quantizes a bf16"):
-    mosaic_gpu_quantize.transpose_quantize_mgpu(
+    mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
       x.astype(jnp.float8_e4m3fn),
       jnp.ones((1, 128)),
       interpret=True,
@@ -671,7 +674,7 @@ def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   under vmap."""
   calls = _spy(
     monkeypatch,
-    mosaic_gpu_quantize,
+    mosaic_gpu_transpose_quantize,
     "transpose_quantize_mgpu",
     lambda x, *_, rows_too=False, **__: (x.shape, x.dtype.name, rows_too),
   )
@@ -1198,7 +1201,7 @@ def test_gpu_transpose_quantize_kernel(r, c, num_sms, form):
       jnp.bfloat16
     )
   rows_too = form == "bf16 rows_too"
-  v, se, *rows = mosaic_gpu_quantize.transpose_quantize_mgpu(
+  v, se, *rows = mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
     src, sx, num_sms=num_sms, rows_too=rows_too
   )
   rv, rse = mosaic_gpu_quantize.quantize_mgpu(x.T, block=(1, 128))
