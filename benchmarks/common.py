@@ -84,7 +84,7 @@ def device_time(
   against 330 us of device work in its trace (kernels plus the gaps
   between them): a fixed cost of about 0.5 ms a batch fits both
   (`(354.5 - 334.5) us = C (1/20 - 1/100)`). Which tables were timed the
-  earlier way (one batch's mean) is said in BENCHMARKS.md's header.
+  earlier way (one batch's mean) is said in docs/benchmarks_history.md.
 
   A program whose host dispatch is slower than its device work would be
   timed at the host's rate. `method` says how to time: "clock" (the

@@ -11,10 +11,8 @@ same users' later requests evaluate. The baselines (item popularity,
 logistic regression on item, category and history aggregates) are scored
 on the same held-out candidates and printed beside the model.
 
-On the 2-core CPU machine it reaches held-out CTR AUC 0.668 (NE 0.938) and
-conversion AUC 0.765 (NE 0.858), against logistic regression's 0.656 and
-0.721 and popularity's 0.599 and 0.668: +0.012 CTR AUC over the best
-baseline, short of the +0.02 the issue asks (docs/real_data.md).
+Its results against the baselines, and the runs behind its settings:
+docs/real_data.md.
 """
 
 from gemjax.config import Config, DataConfig, ModelConfig, TrainConfig
@@ -50,7 +48,7 @@ def get_config() -> Config:
       checkpoint_every=650,
       log_every=25,
       # Items move from their initial rows only at a high row-wise Adagrad
-      # rate on a log this small: 0.003 left CTR AUC 0.014 lower.
+      # rate on a log this small (docs/real_data.md).
       embedding_learning_rate=0.1,
     ),
   )

@@ -9,9 +9,9 @@ bf16 compute.
 
 Data-parallel (strategy `replicated`): every GPU holds all weights and
 tables (~185 MB dense, ~103 MB tables, f32) and one gradient all-reduce
-per step. On 2 H200s this scales at 0.91 of linear, FSDP at 0.86
-(`benchmarks/scaling.py`): at this size, gathering weights every layer
-costs more than it saves. `--set mesh.strategy=fsdp` for larger variants.
+per step. At this size gathering weights every layer costs more than it
+saves, so it scales better than FSDP (`benchmarks/scaling.py`);
+`--set mesh.strategy=fsdp` for larger variants.
 """
 
 from gemjax.config import (
@@ -34,9 +34,10 @@ def get_config() -> Config:
       head_hidden=(512, 256),
       dtype="bfloat16",
     ),
-    # 38,912 tokens per shard: ~4% of the buffer unused at 32 requests of the
-    # log-normal 2K traffic, and no request deferred (benchmarks/data_pipeline).
-    # Four worker processes build batches ahead (~1,500 requests/s each).
+    # 38,912 tokens per shard fit 32 requests of the log-normal 2K traffic
+    # with little of the buffer unused and no request deferred
+    # (benchmarks/data_pipeline.py); worker processes build batches ahead of
+    # the step so the host keeps up with the GPU.
     data=DataConfig(
       max_seq_len=2048, requests_per_shard=32, token_capacity=38_912, workers=4
     ),

@@ -14,12 +14,15 @@ over 1% says which table size to set.
 """
 
 import dataclasses
+import pathlib
 
-from configs import movielens
+from gemjax import config as config_lib
 
 
 def get_config():
-  cfg = movielens.get_config()
+  # By path, as the CLI loads every config: this folder is not a package
+  # the library imports.
+  cfg = config_lib.load(pathlib.Path(__file__).with_name("movielens.py"))
   return dataclasses.replace(
     cfg,
     data=dataclasses.replace(

@@ -1,7 +1,8 @@
 """Typed, frozen configs and the `--set key=value` override mechanism.
 
 A run is described by one `Config`: `model`, `data`, `train`, `mesh`. Named
-configs live in `configs/<name>.py`, each exporting `get_config()`; variants
+configs live in `configs/<name>.py`, each exporting `get_config()`, and are
+loaded by path (`load`), so the library does not depend on the app; variants
 are made with `dataclasses.replace` or overrides such as
 `--set model.d_model=512 --set train.steps=200`. An override names a field
 path; a typo or a value of the wrong type fails at once and lists the valid
@@ -9,8 +10,9 @@ keys.
 """
 
 import dataclasses
-import importlib
-import pkgutil
+import importlib.util
+import os
+import pathlib
 import types
 import typing
 
@@ -257,24 +259,52 @@ class Config:
   mesh: MeshConfig = MeshConfig()
 
 
-def available_configs() -> list[str]:
-  import configs
+# Named configs are files, loaded by path: the library never imports the
+# app's `configs/` folder. Relative to the working directory, which is the
+# repository root for `make`, the CLIs, the tests and the notebooks.
+CONFIGS_DIR = pathlib.Path("configs")
 
+
+def available_configs(directory: str | os.PathLike = CONFIGS_DIR) -> list[str]:
+  """The config names in `directory`: its `*.py` files not starting `_`."""
   return sorted(
-    m.name
-    for m in pkgutil.iter_modules(configs.__path__)
-    if not m.name.startswith("_")
+    p.stem
+    for p in pathlib.Path(directory).glob("*.py")
+    if not p.name.startswith("_")
   )
 
 
-def load(name: str, overrides: typing.Sequence[str] = ()) -> Config:
-  """`configs/<name>.py`'s `get_config()` with `key=value` overrides."""
-  names = available_configs()
-  if name not in names:
-    raise ValueError(f"unknown config {name!r}; available: {', '.join(names)}")
-  cfg = importlib.import_module(f"configs.{name}").get_config()
-  cfg = dataclasses.replace(cfg, name=name)
+def load(
+  name: str | os.PathLike,
+  overrides: typing.Sequence[str] = (),
+  directory: str | os.PathLike = CONFIGS_DIR,
+) -> Config:
+  """`get_config()` of `<directory>/<name>.py`, or of the file `name` when
+  it ends in `.py`, with `key=value` overrides; named after the file."""
+  path = pathlib.Path(name)
+  if path.suffix != ".py":
+    names = available_configs(directory)
+    if str(name) not in names:
+      where = pathlib.Path(directory).resolve()
+      listed = ", ".join(names) or "none (run from the repository root?)"
+      raise ValueError(
+        f"unknown config {str(name)!r} in {where}; available: {listed}"
+      )
+    path = pathlib.Path(directory) / f"{name}.py"
+  elif not path.is_file():
+    raise ValueError(f"no config file {path}")
+  cfg = dataclasses.replace(_module(path).get_config(), name=path.stem)
   return apply_overrides(cfg, overrides)
+
+
+def _module(path: pathlib.Path) -> types.ModuleType:
+  """The Python file at `path`, run as a module of its own."""
+  spec = importlib.util.spec_from_file_location(
+    f"gemjax_config_{path.stem}", path
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def apply_overrides(cfg, overrides: typing.Sequence[str]):

@@ -16,6 +16,9 @@ from pallas_kernels.block_attention import (
   sliding_window_attention,
   sliding_window_reference,
 )
+from pallas_kernels.block_attention.reference import (
+  rope_reference as rope_reference,
+)
 from pallas_kernels.fp8 import (
   Fp8Tensor,
   fp8_dot_general,

@@ -9,14 +9,13 @@ Only this package knows mesh axes; models name logical axes only.
 """
 
 from sharding.mesh import AXES, make_mesh
-from sharding.placement import Placement
+from sharding.placement import Placement, tree_shardings
 from sharding.rules import (
   STRATEGIES,
   batch_axes,
   batch_sharding,
   logical_to_spec,
   state_axes,
-  tree_shardings,
 )
 
 __all__ = [

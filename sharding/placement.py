@@ -58,7 +58,7 @@ class Placement:
       return _gather(x, full, NamedSharding(self.mesh, spec))
 
     keep = _no_keep(params) if keep is None else keep
-    return jax.tree.map(one, logical_axes, params, keep, is_leaf=rules._is_axes)
+    return jax.tree.map(one, logical_axes, params, keep, is_leaf=rules.is_axes)
 
   def per_shard(self, fn, logical_axes, keep=None):
     """`fn(params, batch)` over stacked data shards `[S, ...]`, run by each
@@ -84,7 +84,7 @@ class Placement:
 
     def run(params, batch):
       kept = _no_keep(params) if keep is None else keep
-      specs = jax.tree.map(spec, logical_axes, params, is_leaf=rules._is_axes)
+      specs = jax.tree.map(spec, logical_axes, params, is_leaf=rules.is_axes)
 
       def body(params_local, batch_local):
         def gather(axes, x, p_spec, k):
@@ -101,7 +101,7 @@ class Placement:
           params_local,
           specs,
           kept,
-          is_leaf=rules._is_axes,
+          is_leaf=rules.is_axes,
         )
         return fn(used, batch_local)
 
@@ -123,6 +123,27 @@ class Placement:
 
   def run_experts(self, w_el, x_s, fns):
     return experts.run_experts(self.mesh, self.strategy, w_el, x_s, fns)
+
+
+def tree_shardings(axes_tree, shapes_tree, mesh, strategy: str):
+  """NamedShardings for a pytree, from parallel trees of axes and shapes.
+
+  Arrays with an `experts` axis live on the expert mesh (`node` split into
+  groups x experts, same devices in the same order); see `sharding.experts`.
+  """
+
+  def one(axes, x):
+    if "experts" in axes:
+      em = experts.expert_mesh(mesh, strategy, x.shape[axes.index("experts")])
+      if em is not None:
+        return NamedSharding(
+          em, experts.param_spec(axes, x.shape, em, strategy)
+        )
+    return NamedSharding(
+      mesh, rules.logical_to_spec(axes, x.shape, mesh, strategy)
+    )
+
+  return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=rules.is_axes)
 
 
 def _stays_local(logical_axes, kept: bool) -> bool:

@@ -27,7 +27,8 @@ all-gather before the lookup and reduce-scattered after it.
 
 Experts (G6): `experts` names the tier whose devices each hold one expert
 (consecutive devices of `node`, e.g. the two GPUs of a pair); `expert_params`
-shards each expert (FSDP) over `zone`. See `sharding.experts`.
+shards each expert (FSDP) over `zone`. See `sharding.experts`, and
+`sharding.placement.tree_shardings`, which puts them on the expert mesh.
 
 The batch's leading (data-shard) axis is split over every device.
 """
@@ -103,27 +104,6 @@ def logical_to_spec(logical_axes, shape, mesh, strategy: str) -> PartitionSpec:
   return PartitionSpec(*spec)
 
 
-def tree_shardings(axes_tree, shapes_tree, mesh, strategy: str):
-  """NamedShardings for a pytree, from parallel trees of axes and shapes.
-
-  Arrays with an `experts` axis live on the expert mesh (`node` split into
-  groups x experts, same devices in the same order); see `sharding.experts`.
-  """
-
-  def one(axes, x):
-    if "experts" in axes:
-      from sharding import experts
-
-      em = experts.expert_mesh(mesh, strategy, x.shape[axes.index("experts")])
-      if em is not None:
-        return NamedSharding(
-          em, experts.param_spec(axes, x.shape, em, strategy)
-        )
-    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, strategy))
-
-  return jax.tree.map(one, axes_tree, shapes_tree, is_leaf=_is_axes)
-
-
 def state_axes(state, param_axes):
   """Logical axes of every leaf of a train state, from the parameters'.
 
@@ -136,7 +116,7 @@ def state_axes(state, param_axes):
   """
   index = {}
   for path, axes in jax.tree_util.tree_flatten_with_path(
-    param_axes, is_leaf=_is_axes
+    param_axes, is_leaf=is_axes
   )[0]:
     index[_keys(path)] = axes
 
@@ -166,7 +146,7 @@ def _keys(path) -> tuple:
   return tuple(out)
 
 
-def _is_axes(x) -> bool:
+def is_axes(x) -> bool:
   """A leaf of an axes tree: a plain tuple of names (not optax's tuples of
   states, nor its namedtuples)."""
   return type(x) is tuple and all(a is None or isinstance(a, str) for a in x)

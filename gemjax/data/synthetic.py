@@ -5,7 +5,7 @@ through the same request builder as real logs (`build.py`: anti-leakage,
 dedup, action quota, truncation, context features), so there is one path.
 Labels are drawn afterwards from a hidden model of the *built* history, so a
 model that sees exactly the batch can in principle reach the ceiling
-(`hidden_model_auc`).
+(the AUC of `hidden_model_probs`).
 
 The world (fixed by `cfg.seed`; legend `I` items, `K` categories):
   - category popularity Zipf(`category_zipf`) over ids (row 0 most popular);
@@ -48,11 +48,11 @@ whose built history has events e (action a_e, age Δ_e = request time - ts):
   Bernoulli(sigmoid(logit_cvr|click)).
 
 Shares (not sums) keep the signal alike for 50- and 2,000-event histories.
-Measured ceilings (`hidden_model_auc`, eval set): CTR ~0.86 / conversion ~0.90
-on the smoke shapes (128 max, median 50), CTR ~0.83 / ~0.87 at 2K; base rates
-CTR ~0.20, conversion ~0.09. The category share alone is worth ~0.83 CTR AUC,
-so a small sequence model that matches candidate and history categories
-learns most of it.
+Ceilings (the AUC of `hidden_model_probs` on the eval set): CTR ~0.86 /
+conversion ~0.90 on the smoke shapes (128 max, median 50), CTR ~0.83 / ~0.87
+at 2K; base rates CTR ~0.20, conversion ~0.09. The category share alone is
+worth ~0.83 CTR AUC, so a small sequence model that matches candidate and
+history categories learns most of it.
 
 `labels[:, 1]` is therefore conversion over all candidates (CTCVR), with true
 probability p_ctr * p_cvr|click. dense[:, 0:2] are N(0, 1) request features
@@ -351,16 +351,12 @@ def eval_blocks(cfg: DataConfig, with_probs: bool = False):
     yield make_block(cfg, EVAL, 0, b, r, with_probs=with_probs)
 
 
-def hidden_model_auc(cfg: DataConfig) -> dict[str, float]:
-  """AUC of the true probabilities on the eval set: the ceiling per task."""
-  from gemjax import metrics
-
+def hidden_model_probs(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Labels and the hidden model's true probabilities on the eval set, both
+  `[candidates, tasks]`. Their AUC per task (`gemjax.metrics.auc`, which the
+  caller applies: data sits below metrics) is the ceiling a model can reach."""
   labels, probs = [], []
   for batch, p in eval_blocks(cfg, with_probs=True):
     labels.append(batch.labels)
     probs.append(p)
-  labels, probs = np.concatenate(labels), np.concatenate(probs)
-  return {
-    t: float(metrics.auc(labels[:, i], probs[:, i]))
-    for i, t in enumerate(TASKS)
-  }
+  return np.concatenate(labels), np.concatenate(probs)

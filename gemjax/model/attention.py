@@ -30,7 +30,6 @@ from flax import nnx
 import pallas_kernels
 from gemjax.data.jagged import segment_ids
 from gemjax.model.layers import Fp8Settings, RMSNorm, dense
-from pallas_kernels.block_attention.reference import rope_reference
 
 KINDS = ("softmax", "gdpa", "block", "sliding")
 
@@ -151,8 +150,8 @@ class Attention(nnx.Module):
       return self.o(o_tnh.reshape(t, self.n * self.h))
     if q_pos is not None:
       q_tnh, k_skh = (
-        rope_reference(q_tnh, q_pos, rope_theta),
-        rope_reference(k_skh, kv_pos, rope_theta),
+        pallas_kernels.rope_reference(q_tnh, q_pos, rope_theta),
+        pallas_kernels.rope_reference(k_skh, kv_pos, rope_theta),
       )
     if op is not None:
       if self.kind != "softmax":

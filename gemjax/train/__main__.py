@@ -1,11 +1,13 @@
 """`python -m gemjax.train --config NAME [--set key=value ...]`.
 
-Trains a named config from `configs/`, prints a live progress line and a
-final metrics table, and leaves checkpoints and `metrics.jsonl` in the run
-directory (`train.run_dir`, default `runs/<config>`). Running it again on the
-same run directory resumes from the latest checkpoint (the same model and
-data config, or `--allow-config-change`; another `train.steps` extends the
-run). SIGTERM saves a checkpoint at the next step and exits with status 143.
+Trains a named config, `configs/<NAME>.py` under the working directory
+(`--configs-dir` for another directory, or `--config path/to/file.py`),
+prints a live progress line and a final metrics table, and leaves
+checkpoints and `metrics.jsonl` in the run directory (`train.run_dir`,
+default `runs/<config>`). Running it again on the same run directory
+resumes from the latest checkpoint (the same model and data config, or
+`--allow-config-change`; another `train.steps` extends the run). SIGTERM
+saves a checkpoint at the next step and exits with status 143.
 
 Multi-host: when `GEMJAX_COORDINATOR` (host:port), `GEMJAX_NUM_PROCESSES` and
 `GEMJAX_PROCESS_ID` are set, `jax.distributed.initialize` joins the processes
@@ -22,7 +24,14 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(
     prog="python -m gemjax.train", description=__doc__.split("\n")[0]
   )
-  p.add_argument("--config", default="smoke", help="name in configs/")
+  p.add_argument(
+    "--config", default="smoke", help="a name in --configs-dir, or a .py file"
+  )
+  p.add_argument(
+    "--configs-dir",
+    default="configs",
+    help="directory of named configs (default: ./configs)",
+  )
   p.add_argument(
     "--set",
     dest="overrides",
@@ -44,7 +53,7 @@ def main(argv=None) -> int:
   from gemjax import config as config_lib
 
   try:
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = config_lib.load(args.config, args.overrides, args.configs_dir)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

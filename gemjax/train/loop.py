@@ -90,7 +90,7 @@ class Trainer:
     # Shapes only: placing the state needs no initialized parameters.
     model_def, params = build(cfg, cfg.train.seed, abstract=True)
     tx = make_optimizer(cfg.train)
-    state = jax.eval_shape(lambda p: _host_state(p, tx, cfg.train.seed), params)
+    state = jax.eval_shape(lambda p: fresh_state(p, tx, cfg.train.seed), params)
     axes = sharding.state_axes(state, model_def.logical_axes)
     shardings = sharding.tree_shardings(axes, state, mesh, cfg.mesh.strategy)
     return cls(
@@ -110,7 +110,7 @@ class Trainer:
 
   def init_state(self):
     _, params = build(self.cfg, self.cfg.train.seed)
-    state = _host_state(params, self.tx, self.cfg.train.seed)
+    state = fresh_state(params, self.tx, self.cfg.train.seed)
     return jax.device_put(state, self.state_shardings)
 
   @functools.cached_property
@@ -233,7 +233,9 @@ def rank_at(data_cfg) -> tuple[int, ...]:
   return (10,) if is_loo else ()
 
 
-def _host_state(params, tx, seed: int) -> dict:
+def fresh_state(params, tx, seed: int) -> dict:
+  """A train state at step 0 around `params`: a new optimizer state and
+  the config's seed (a new run, or a run up-scaled from another)."""
   return {
     "params": params,
     "opt_state": tx.init(params),
@@ -465,30 +467,3 @@ def _this_process(data_state: dict, run_dir) -> dict:
       "resume with the same number of processes"
     )
   return held[str(jax.process_index())]
-
-
-def upscaled_start(src: Trainer, dst: Trainer, layer_map) -> None:
-  """Write `dst`'s step-0 checkpoint: `src`'s latest parameters with their
-  SeqFormer blocks copied and stacked by `layer_map` (O6), a fresh optimizer
-  state and a fresh data position."""
-  from gemjax.train.upscale import copy_and_stack
-
-  src_ckpt = Checkpointer(src.run_dir / "checkpoints")
-  step = src_ckpt.latest_step()
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint in {src.run_dir}")
-  state, _ = src_ckpt.restore(step, src.abstract_state)
-  src_ckpt.close()
-  params = copy_and_stack(jax.device_get(state["params"]), layer_map)
-  new = jax.device_put(
-    _host_state(params, dst.tx, dst.cfg.train.seed), dst.state_shardings
-  )
-  out = Checkpointer(dst.run_dir / "checkpoints")
-  out.save(
-    0,
-    new,
-    {"processes": runtime.gathered_by_process(dst.loader().state())},
-    config_lib.to_dict(dst.cfg),
-  )
-  out.wait()
-  out.close()

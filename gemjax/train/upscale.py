@@ -22,6 +22,9 @@ import sys
 import jax
 import numpy as np
 
+from gemjax import config as config_lib
+from gemjax.train import checkpoint, loop, runtime
+
 
 def copy_and_stack(params: dict, layer_map) -> dict:
   """Params with `seqformer.blocks` rebuilt as `[old[i] for i in layer_map]`."""
@@ -41,21 +44,47 @@ def copy_and_stack(params: dict, layer_map) -> dict:
   return out
 
 
+def upscaled_start(src: loop.Trainer, dst: loop.Trainer, layer_map) -> None:
+  """Write `dst`'s step-0 checkpoint: `src`'s latest parameters with their
+  SeqFormer blocks copied and stacked by `layer_map` (O6), a fresh optimizer
+  state and a fresh data position."""
+  src_ckpt = checkpoint.Checkpointer(src.run_dir / "checkpoints")
+  step = src_ckpt.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {src.run_dir}")
+  state, _ = src_ckpt.restore(step, src.abstract_state)
+  src_ckpt.close()
+  params = copy_and_stack(jax.device_get(state["params"]), layer_map)
+  new = jax.device_put(
+    loop.fresh_state(params, dst.tx, dst.cfg.train.seed), dst.state_shardings
+  )
+  out = checkpoint.Checkpointer(dst.run_dir / "checkpoints")
+  out.save(
+    0,
+    new,
+    {"processes": runtime.gathered_by_process(dst.loader().state())},
+    config_lib.to_dict(dst.cfg),
+  )
+  out.wait()
+  out.close()
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
     prog="python -m gemjax.train.upscale", description=__doc__.split("\n")[0]
   )
   p.add_argument("--from", dest="src", required=True, help="run directory")
   p.add_argument("--to", dest="dst", required=True, help="new run directory")
-  p.add_argument("--config", required=True)
+  p.add_argument(
+    "--config", required=True, help="a name in --configs-dir, or a .py file"
+  )
+  p.add_argument("--configs-dir", default="configs")
   p.add_argument("--layer-map", required=True, help="e.g. 0,1,2,3,2,3,4")
   p.add_argument("--set", dest="overrides", action="append", default=[])
   args = p.parse_args(argv)
-  from gemjax import config as config_lib
-  from gemjax.train.loop import Trainer, upscaled_start
 
   layer_map = tuple(int(x) for x in args.layer_map.split(","))
-  cfg = config_lib.load(args.config, args.overrides)
+  cfg = config_lib.load(args.config, args.overrides, args.configs_dir)
   shallow = dataclasses.replace(
     cfg,
     model=dataclasses.replace(
@@ -69,7 +98,9 @@ def main(argv=None) -> int:
     ),
   )
   upscaled_start(
-    Trainer.create(shallow, args.src), Trainer.create(deep, args.dst), layer_map
+    loop.Trainer.create(shallow, args.src),
+    loop.Trainer.create(deep, args.dst),
+    layer_map,
   )
   print(f"wrote step-0 checkpoint of {len(layer_map)} blocks to {args.dst}")
   return 0

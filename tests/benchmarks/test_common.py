@@ -45,6 +45,24 @@ def test_goal_is_judged_on_ratio():
   assert report.met(_rec("c", 1.0)) == ""
 
 
+def test_headline_keeps_goals_and_named_metrics_not_checks():
+  recs = [
+    _rec("c", 1.4, goal=1.3),
+    _rec("c", 1.0),
+    dict(_rec("c", 0.01, goal=0.02, lower=True), metric="rel_err_o"),
+    dict(_rec("c", 5.0), metric="step_ms"),
+  ]
+  assert report.headline("b", recs) == [recs[0]]
+  assert report.headline("train_step", recs) == [recs[0], recs[3]]
+  assert report.checks_line(recs).startswith("Correctness: 1 of 1 checks")
+
+
+def test_benchmarks_md_is_generated_from_the_results():
+  """BENCHMARKS.md and docs/benchmarks_history.md are report.py's output:
+  a new results JSON needs `python benchmarks/report.py`."""
+  assert report.main(["--check"]) == 0
+
+
 def test_trace_summary_splits_device_time(tmp_path):
   # On CPU the trace has host threads only; the same parser reads the
   # GPU's streams in scaling.py --profile.

@@ -140,3 +140,28 @@ def test_cli_reports_a_bad_value_in_one_line(capsys):
 
   assert main(["--config", "smoke", "--set", "train.steps=0"]) == 2
   assert capsys.readouterr().err == "error: train.steps=0: must be >= 1\n"
+
+
+def test_configs_load_by_path_from_any_directory(tmp_path):
+  """The library reads config files; it never imports the `configs` folder."""
+  (tmp_path / "mine.py").write_text(
+    "import dataclasses\n"
+    "from gemjax import config\n"
+    "def get_config():\n"
+    "  cfg = config.load('configs/smoke.py')\n"
+    "  return dataclasses.replace(cfg, train=dataclasses.replace(\n"
+    "    cfg.train, steps=3))\n"
+  )
+  by_name = config.load("mine", ["train.seed=5"], directory=tmp_path)
+  by_path = config.load(tmp_path / "mine.py", ["train.seed=5"])
+  assert by_name == by_path
+  assert (by_name.name, by_name.train.steps, by_name.train.seed) == (
+    "mine",
+    3,
+    5,
+  )
+  assert config.available_configs(tmp_path) == ["mine"]
+  with pytest.raises(ValueError, match="unknown config 'smoke' in .*: mine"):
+    config.load("smoke", directory=tmp_path)
+  with pytest.raises(ValueError, match="no config file"):
+    config.load(tmp_path / "nope.py")

@@ -31,7 +31,7 @@ from gemjax import config
 from gemjax.data.jagged import stack
 from gemjax.model import layers
 from gemjax.train import step as step_lib
-from gemjax.train.loop import _host_state
+from gemjax.train.loop import fresh_state
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 from sharding import hlo
@@ -248,7 +248,7 @@ def test_ranking_train_step_all_gathers_8_bit_weights():
   ])  # fmt: skip
   model_def, params = build(cfg, 0)
   tx = make_optimizer(cfg.train)
-  state = _host_state(params, tx, 0)
+  state = fresh_state(params, tx, 0)
   mesh = _mesh(8)
   shardings = sharding.tree_shardings(
     sharding.state_axes(state, model_def.logical_axes), state, mesh, "fsdp"

@@ -10,7 +10,8 @@ import pytest
 
 from gemjax import config
 from gemjax.train.checkpoint import Checkpointer
-from gemjax.train.loop import Trainer, train, upscaled_start
+from gemjax.train.loop import Trainer, train
+from gemjax.train.upscale import upscaled_start
 
 TINY = [
   "model.d_model=32",
