@@ -250,7 +250,11 @@ class Checkpointer(_Checkpoints):
     return {"complete": steps, "committed": steps}
 
   def _discard_after(self, step: int) -> None:
-    pass
+    # Orbax refuses to save a step that exists (a skipped one, which the
+    # resumed run reaches again); `delete` is collective, as is this call.
+    for later in self.manager.all_steps():
+      if later > step:
+        self.manager.delete(later)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

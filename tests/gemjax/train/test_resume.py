@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemjax.train.checkpoint import CannotResume
-from gemjax.train.loop import train
+from gemjax.train.loop import Trainer, train
 from gemjax.train.runtime import RunDir, RunLog
 from tests.gemjax.train.test_train import TINY, final_state, tiny
 
@@ -34,9 +34,9 @@ def test_corrupt_latest_checkpoint_is_skipped_in_one_line(
   tmp_path, capsys, layout
 ):
   """Checkpoint 3's data files cut in half: the resume says so in one line,
-  restarts from checkpoint 2, redoes step 3, and ends bit-identical to a
-  run that never stopped, with one metrics record per step; in either
-  layout (a run directory per process: one process here)."""
+  restarts from checkpoint 2, redoes step 3 (saving it again), and ends
+  bit-identical to a run that never stopped, with one metrics record per
+  step; in either layout (a run directory per process: one process here)."""
   cfg = tiny()
   train(cfg, tmp_path / "straight")
   if layout == "per_process":
@@ -51,10 +51,17 @@ def test_corrupt_latest_checkpoint_is_skipped_in_one_line(
     with open(path, "r+b") as f:
       f.truncate(path.stat().st_size // 2)
   capsys.readouterr()
-  train(cfg, template)
+  # Checkpoints at every step now: step 3 is written again.
+  train(tiny("train.checkpoint_every=1"), template)
   err = capsys.readouterr().err.splitlines()
   assert err[0].startswith("skipped checkpoint step 3: ")
   assert err[1:] == [f"resumed {run} at step 2"]
+  # The bad step 3 went at the resume, and its new save reads (Orbax
+  # skips a step that exists, silently).
+  tr = Trainer.create(cfg, template)
+  ckpt = tr.checkpointer()
+  assert int(ckpt.restore(3, tr.abstract_state)[0]["step"]) == 3
+  ckpt.close()
   a, data_a = final_state(tmp_path / "straight", cfg)
   b, data_b = final_state(template, cfg)
   assert data_a == data_b
