@@ -11,7 +11,9 @@ saves a checkpoint at the next step and exits with status 143.
 
 Multi-host: when `GEMJAX_COORDINATOR` (host:port), `GEMJAX_NUM_PROCESSES` and
 `GEMJAX_PROCESS_ID` are set, `jax.distributed.initialize` joins the processes
-before anything else touches a device.
+before anything else touches a device. The run directory is shared by all
+processes, or, when it names `{process}` (replaced by the process id), one
+per process (see `gemjax.train.checkpoint`).
 """
 
 import argparse
@@ -40,7 +42,11 @@ def main(argv=None) -> int:
     metavar="KEY=VALUE",
     help="override a config field",
   )
-  p.add_argument("--run-dir", default=None, help="default: train.run_dir")
+  p.add_argument(
+    "--run-dir",
+    default=None,
+    help="default: train.run_dir; {process} in it: one per process",
+  )
   p.add_argument(
     "--allow-config-change",
     action="store_true",

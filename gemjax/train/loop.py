@@ -29,11 +29,12 @@ import sharding
 from gemjax import config as config_lib
 from gemjax import metrics
 from gemjax.data import loader as data_loader
+from gemjax.train import checkpoint as ckpt_lib
 from gemjax.train import flops as flops_lib
 from gemjax.train import remat as remat_lib
 from gemjax.train import runtime
 from gemjax.train import step as step_lib
-from gemjax.train.checkpoint import CannotResume, Checkpointer, config_changes
+from gemjax.train.checkpoint import CannotResume, config_changes
 from gemjax.train.optim import make_optimizer
 from gemjax.train.state import build
 
@@ -50,6 +51,9 @@ class Trainer:
 
   cfg: object
   run_dir: pathlib.Path
+  # A run directory per process (`{process}` in its name): each process
+  # keeps its own checkpoints (`checkpoint.ProcessCheckpointer`).
+  per_process: bool
   mesh: object
   num_shards: int
   model_def: object
@@ -71,7 +75,12 @@ class Trainer:
         f"mesh.data_shards={num_shards} is not a multiple of the "
         f"{mesh.size} devices"
       )
-    run_dir = pathlib.Path(run_dir or cfg.train.run_dir.format(config=cfg.name))
+    template = str(run_dir or cfg.train.run_dir)
+    run_dir = pathlib.Path(
+      template.replace("{config}", cfg.name).replace(
+        "{process}", str(jax.process_index())
+      )
+    )
     data = data_loader.resolve_capacities(
       cfg.data,
       num_shards,
@@ -96,6 +105,7 @@ class Trainer:
     return cls(
       cfg,
       run_dir,
+      "{process}" in template,
       mesh,
       num_shards,
       model_def,
@@ -106,6 +116,18 @@ class Trainer:
         shardings,
       ),
       sharding.batch_sharding(mesh, cfg.mesh.strategy),
+    )
+
+  def checkpointer(self, keep: int = 2):
+    """The run directory's checkpoints, in the layout its name asks for
+    (see `gemjax.train.checkpoint`)."""
+    layout = (
+      ckpt_lib.ProcessCheckpointer
+      if self.per_process
+      else ckpt_lib.Checkpointer
+    )
+    return layout(
+      self.run_dir / "checkpoints", keep, gather=runtime.allgather_json
     )
 
   def init_state(self):
@@ -353,10 +375,8 @@ def train(
   main = jax.process_index() == 0
   say = functools.partial(print, file=sys.stderr) if main else _silent
   with (
-    runtime.RunDir(tr.run_dir),
-    contextlib.closing(
-      Checkpointer(tr.run_dir / "checkpoints", cfg.train.keep_checkpoints)
-    ) as ckpt,
+    runtime.RunDir(tr.run_dir, tr.per_process),
+    contextlib.closing(tr.checkpointer(cfg.train.keep_checkpoints)) as ckpt,
     contextlib.closing(tr.loader()) as loader,
     jax.set_mesh(tr.mesh),
     runtime.StopSignal() as stop,
@@ -364,7 +384,6 @@ def train(
     found = ckpt.restore_latest(
       tr.abstract_state,
       functools.partial(_check_resume, cfg, tr.run_dir),
-      agree=runtime.everywhere,
       log=say,
     )
     if found is None:

@@ -46,11 +46,6 @@ def allgather_json(obj) -> list:
   ]
 
 
-def everywhere(oks: list[bool]) -> bool:
-  """True when every process passes only True (one collective)."""
-  return all(all(x) for x in allgather_json(list(oks)))
-
-
 def gathered_by_process(obj) -> dict:
   return {str(i): x for i, x in enumerate(allgather_json(obj))}
 
@@ -65,41 +60,31 @@ def sum_counters(per_process: list[dict]) -> dict:
 
 
 class RunDir:
-  """The run directory, held for one run: process 0 takes an exclusive lock
-  (`lock`, fcntl) so a second run on the same directory fails at once
-  instead of interleaving its checkpoints and records; with several
-  processes, every one must see the same directory (Orbax writes each
-  checkpoint from all processes into one place), which a token written by
-  process 0 and read by all checks before any checkpoint is touched."""
+  """The run directory, held for one run: an exclusive lock (`lock`,
+  fcntl) makes a second run on the same directory fail at once instead of
+  interleaving its checkpoints and records.
 
-  def __init__(self, path):
+  Shared (the default): process 0 takes the lock, and every process must
+  see the same directory (Orbax writes each checkpoint from all processes
+  into one place), which a token written by process 0 and read by all
+  checks before any checkpoint is touched. Per process (`per_process`, a
+  run directory naming `{process}`): each process locks its own.
+  """
+
+  def __init__(self, path, per_process: bool = False):
     self.path = pathlib.Path(path)
+    self.per_process = per_process
     self.lock = None
 
   def __enter__(self):
     self.path.mkdir(parents=True, exist_ok=True)
     error = ""
     token = ""
-    if jax.process_index() == 0:
-      self.lock = open(self.path / "lock", "a+")  # noqa: SIM115
-      try:
-        fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except BlockingIOError:
-        self.lock.seek(0)
-        holder = self.lock.read().strip() or "?"
-        self.lock.close()
-        self.lock = None
-        error = (
-          f"{self.path} is in use by another run (pid {holder} holds "
-          f"{self.path / 'lock'}): wait for it, or use another --run-dir"
-        )
-      else:
-        self.lock.truncate(0)
-        self.lock.write(f"{os.getpid()}\n")
-        self.lock.flush()
-        if jax.process_count() > 1:
-          token = f"{os.getpid()}.{time.time_ns()}"
-          (self.path / "shared").write_text(token)
+    if self.per_process or jax.process_index() == 0:
+      error = self._lock()
+      if not (error or self.per_process) and jax.process_count() > 1:
+        token = f"{os.getpid()}.{time.time_ns()}"
+        (self.path / "shared").write_text(token)
     if jax.process_count() > 1:
       token = allgather_json(token)[0]
       shared = self.path / "shared"
@@ -107,13 +92,33 @@ class RunDir:
         error = (
           f"process {jax.process_index()} does not see process 0's files in "
           f"run directory {self.path}: a multi-process run needs one run "
-          "directory on a file system shared by all processes"
+          "directory on a file system shared by all processes, or one per "
+          "process: put {process} in --run-dir (train.run_dir)"
         )
       error = next((e for e in allgather_json(error) if e), "")
     if error:
       self.__exit__()
       raise CannotResume(error)
     return self
+
+  def _lock(self) -> str:
+    """Take the lock: "" or why not."""
+    self.lock = open(self.path / "lock", "a+")  # noqa: SIM115
+    try:
+      fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self.lock.seek(0)
+      holder = self.lock.read().strip() or "?"
+      self.lock.close()
+      self.lock = None
+      return (
+        f"{self.path} is in use by another run (pid {holder} holds "
+        f"{self.path / 'lock'}): wait for it, or use another --run-dir"
+      )
+    self.lock.truncate(0)
+    self.lock.write(f"{os.getpid()}\n")
+    self.lock.flush()
+    return ""
 
   def __exit__(self, *exc):
     if self.lock is not None:

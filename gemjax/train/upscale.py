@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from gemjax import config as config_lib
-from gemjax.train import checkpoint, loop, runtime
+from gemjax.train import loop, runtime
 
 
 def copy_and_stack(params: dict, layer_map) -> dict:
@@ -48,7 +48,7 @@ def upscaled_start(src: loop.Trainer, dst: loop.Trainer, layer_map) -> None:
   """Write `dst`'s step-0 checkpoint: `src`'s latest parameters with their
   SeqFormer blocks copied and stacked by `layer_map` (O6), a fresh optimizer
   state and a fresh data position."""
-  src_ckpt = checkpoint.Checkpointer(src.run_dir / "checkpoints")
+  src_ckpt = src.checkpointer()
   step = src_ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {src.run_dir}")
@@ -58,7 +58,7 @@ def upscaled_start(src: loop.Trainer, dst: loop.Trainer, layer_map) -> None:
   new = jax.device_put(
     loop.fresh_state(params, dst.tx, dst.cfg.train.seed), dst.state_shardings
   )
-  out = checkpoint.Checkpointer(dst.run_dir / "checkpoints")
+  out = dst.checkpointer()
   out.save(
     0,
     new,

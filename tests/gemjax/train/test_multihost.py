@@ -12,16 +12,21 @@ equal one device training on all 8 shards.
 
 Runs of `train` on two processes (`train_worker`) are killed with SIGKILL
 and stopped with SIGTERM, restarted, and must end bit-identical to a run
-that was never interrupted; run directories per process are refused at
-start with one line.
+that was never interrupted, with one shared run directory (Orbax) and with a
+run directory per process (`{process}` in its name, as on hosts without a
+shared disk). Run directories that differ per process without saying so
+are refused at start with one line.
 
 The workers are this file run as a module:
   python -m tests.gemjax.train.test_multihost worker
   python -m tests.gemjax.train.test_multihost train RUN_DIR
+(`{pid}` in RUN_DIR: each process's own literal path, as if the hosts did
+not share a disk; `{process}` is left to `train`.)
 """
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -257,7 +262,8 @@ def _until(cond, procs, what, timeout=240):
 
 
 def _final(run_dir):
-  """Final checkpoint's state (read onto one device) and data position."""
+  """Final checkpoint's state (read onto one device, host arrays) and data
+  position."""
   import dataclasses
 
   import jax
@@ -276,37 +282,80 @@ def _final(run_dir):
   return jax.device_get(state), data
 
 
-@pytest.mark.slow
-def test_killed_and_stopped_two_process_run_resumes_exactly(tmp_path):
-  """Run B is SIGKILLed (both processes) after its step-4 checkpoint,
-  restarted, stopped by SIGTERM (a checkpoint, exit 143 within 60 s),
-  restarted again, and ends bit-identical to run A, which never stopped:
-  parameters, optimizer state, every process's data position, losses,
-  with one record per step and data counters over both processes."""
+def _same_as_shards(state, data, template, step):
+  """Every shard each process saved at `step` in its own run directory
+  equals that part of `state` (host arrays), bit for bit; its data position
+  is `data`."""
   import jax
 
-  from gemjax.data import loader as data_loader
+  from gemjax.train.checkpoint import ProcessCheckpointer
 
-  a, b = tmp_path / "a", tmp_path / "b"
-  slow = {"GEMJAX_TEST_STEP_S": "0.5"}
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  full = {jax.tree_util.keystr(path): x for path, x in leaves}
+  for pid in range(2):
+    run_dir = pathlib.Path(str(template).replace("{process}", str(pid)))
+    ckpt = ProcessCheckpointer(run_dir / "checkpoints", process=(pid, 2))
+    shards, saved_data = ckpt.shards(step)
+    assert saved_data == data
+    assert sorted(shards) == sorted(full)
+    for name, parts in shards.items():
+      for index, part in parts.items():
+        np.testing.assert_array_equal(
+          part, full[name][tuple(slice(*ab) for ab in index)]
+        )
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted 2-process run in a shared run directory."""
+  tmp_path = tmp_path_factory.mktemp("straight")
+  a = tmp_path / "a"
   assert _wait(_launch(tmp_path, "a", ["train", str(a)]), tmp_path, "a") == [
     0,
     0,
   ], (tmp_path / "a0.err").read_text()[-3000:]
+  return a
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["shared", "per_process"])
+def test_killed_and_stopped_two_process_run_resumes_exactly(
+  tmp_path, straight, layout
+):
+  """Run B is SIGKILLed (both processes) after its step-4 checkpoint,
+  restarted, stopped by SIGTERM (a checkpoint, exit 143 within 60 s),
+  restarted again, and ends bit-identical to run A, which never stopped
+  (in a shared directory): parameters, optimizer state, every process's
+  data position, losses, with one record per step and data counters over
+  both processes. B's run directory is shared, or one per process."""
+  import jax
+
+  from gemjax.data import loader as data_loader
+
+  a = straight
+  if layout == "shared":
+    b = main = tmp_path / "b"
+    saved = lambda step: (b / "checkpoints" / str(step)).exists()
+    committed = [b / "checkpoints" / "4" / "commit_success.txt"]
+  else:
+    b, main = tmp_path / "b" / "{process}", tmp_path / "b" / "0"
+    saved = lambda step: (main / "checkpoints" / f"step_{step}").exists()
+    committed = [
+      tmp_path / "b" / str(pid) / "checkpoints" / "step_4" / "committed"
+      for pid in range(2)
+    ]
+  slow = {"GEMJAX_TEST_STEP_S": "0.5"}
   procs = _launch(tmp_path, "b", ["train", str(b)], **slow)
   _until(
-    lambda: (b / "checkpoints" / "4" / "commit_success.txt").exists(),
-    procs,
-    "checkpoint 4",
+    lambda: all(path.exists() for path in committed), procs, "checkpoint 4"
   )
   for p in procs:
     p.kill()
   _wait(procs, tmp_path, "b")
-  assert not _records(b, "eval")
-  start = len(_records(b))
+  assert not _records(main, "eval")
+  start = len(_records(main))
   procs = _launch(tmp_path, "c", ["train", str(b)], **slow)
-  _until(lambda: len(_records(b)) > start, procs, "a step after resuming")
+  _until(lambda: len(_records(main)) > start, procs, "a step after resuming")
   t0 = time.monotonic()
   for p in procs:
     p.send_signal(signal.SIGTERM)
@@ -315,22 +364,30 @@ def test_killed_and_stopped_two_process_run_resumes_exactly(tmp_path):
   err = (tmp_path / "c0.err").read_text()
   assert codes == [143, 143], err[-3000:]
   assert "stopped by SIGTERM at step" in err
-  assert "resumed" in err and "at step 4" in err
+  assert f"resumed {main} at step 4" in err
+  stopped = int(err.split("stopped by SIGTERM at step ")[1].split(",")[0])
+  assert saved(stopped)
   assert _wait(_launch(tmp_path, "d", ["train", str(b)]), tmp_path, "d") == [
     0,
     0,
   ], (tmp_path / "d0.err").read_text()[-3000:]
 
   sa, da = _final(a)
-  sb, db = _final(b)
-  assert int(sa["step"]) == int(sb["step"]) == TRAIN_STEPS
-  assert da == db and sorted(da["processes"]) == ["0", "1"]
-  for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
-    np.testing.assert_array_equal(x, y)
-  ra, rb = _records(a), _records(b)
+  assert int(sa["step"]) == TRAIN_STEPS and sorted(da["processes"]) == [
+    "0",
+    "1",
+  ]
+  if layout == "shared":
+    sb, db = _final(b)
+    assert da == db
+    for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+      np.testing.assert_array_equal(x, y)
+  else:
+    _same_as_shards(sa, da, b, TRAIN_STEPS)
+  ra, rb = _records(a), _records(main)
   assert [r["step"] for r in rb] == list(range(1, TRAIN_STEPS + 1))
   assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
-  assert len(_records(b, "eval")) == 1
+  assert len(_records(main, "eval")) == 1
   # The counters cover both processes' shards: those of one loader of all.
   cfg = _train_config()
   it = data_loader.Loader(cfg.data, num_shards=8, split="train")
@@ -341,17 +398,23 @@ def test_killed_and_stopped_two_process_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_directories_per_process_are_refused_at_start(tmp_path):
-  """Orbax writes one checkpoint from all processes into one directory:
-  without a shared one, both processes stop at start in one line, before
-  any checkpoint could hang them."""
+def test_unshared_run_directories_without_process_are_refused(tmp_path):
+  """Orbax writes one checkpoint from all processes into one directory: a
+  run directory that each process sees on its own disk, but that does not
+  name `{process}`, stops both processes at start in one line saying what
+  to do, before any checkpoint could hang them."""
   procs = _launch(tmp_path, "p", ["train", str(tmp_path / "run{pid}")])
   assert _wait(procs, tmp_path, "p", timeout=120) == [2, 2]
   err = (tmp_path / "p1.err").read_text()
-  assert "needs one run directory on a file system shared by all" in err
+  assert err.count("\n") == 1, err
+  assert err.startswith("error: process 1 does not see process 0's files")
+  assert err.endswith(
+    "needs one run directory on a file system shared by all processes, or "
+    "one per process: put {process} in --run-dir (train.run_dir)\n"
+  )
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
   worker()
 elif __name__ == "__main__" and sys.argv[1:2] == ["train"]:
-  train_worker(sys.argv[2].format(pid=os.environ["GEMJAX_PROCESS_ID"]))
+  train_worker(sys.argv[2].replace("{pid}", os.environ["GEMJAX_PROCESS_ID"]))

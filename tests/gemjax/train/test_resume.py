@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemjax.train.checkpoint import CannotResume
-from gemjax.train.loop import train
+from gemjax.train.loop import Trainer, train
 from gemjax.train.runtime import RunDir, RunLog
 from tests.gemjax.train.test_train import TINY, final_state, tiny
 
@@ -29,26 +29,41 @@ def records(run_dir, event):
 
 
 @pytest.mark.slow
-def test_corrupt_latest_checkpoint_is_skipped_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("layout", ["shared", "per_process"])
+def test_corrupt_latest_checkpoint_is_skipped_in_one_line(
+  tmp_path, capsys, layout
+):
   """Checkpoint 3's data files cut in half: the resume says so in one line,
-  restarts from checkpoint 2, redoes step 3, and ends bit-identical to a run
-  that never stopped, with one metrics record per step."""
+  restarts from checkpoint 2, redoes step 3 (saving it again), and ends
+  bit-identical to a run that never stopped, with one metrics record per
+  step; in either layout (a run directory per process: one process here)."""
   cfg = tiny()
   train(cfg, tmp_path / "straight")
-  run = tmp_path / "resumed"
-  assert train(cfg, run, stop_at=3) == {}
+  if layout == "per_process":
+    template, run = tmp_path / "{process}", tmp_path / "0"
+    files = [run / "checkpoints" / "step_3" / "arrays.bin"]
+  else:
+    template = run = tmp_path / "resumed"
+    files = (run / "checkpoints" / "3" / "state").glob("ocdbt.process_*/d/*")
+  assert train(cfg, template, stop_at=3) == {}
   # Every data file of the state cut in half (a copy or a write cut short).
-  state = run / "checkpoints" / "3" / "state"
-  for path in state.glob("ocdbt.process_*/d/*"):
+  for path in files:
     with open(path, "r+b") as f:
       f.truncate(path.stat().st_size // 2)
   capsys.readouterr()
-  train(cfg, run)
+  # Checkpoints at every step now: step 3 is written again.
+  train(tiny("train.checkpoint_every=1"), template)
   err = capsys.readouterr().err.splitlines()
   assert err[0].startswith("skipped checkpoint step 3: ")
   assert err[1:] == [f"resumed {run} at step 2"]
+  # The bad step 3 went at the resume, and its new save reads (Orbax
+  # skips a step that exists, silently).
+  tr = Trainer.create(cfg, template)
+  ckpt = tr.checkpointer()
+  assert int(ckpt.restore(3, tr.abstract_state)[0]["step"]) == 3
+  ckpt.close()
   a, data_a = final_state(tmp_path / "straight", cfg)
-  b, data_b = final_state(run, cfg)
+  b, data_b = final_state(template, cfg)
   assert data_a == data_b
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)

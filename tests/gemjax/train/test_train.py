@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from gemjax import config
-from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.loop import Trainer, train
 from gemjax.train.upscale import upscaled_start
 
@@ -44,7 +43,7 @@ def tiny(*more):
 
 def final_state(run_dir, cfg, devices=None):
   tr = Trainer.create(cfg, run_dir, devices=devices)
-  ckpt = Checkpointer(tr.run_dir / "checkpoints")
+  ckpt = tr.checkpointer()
   state, data = ckpt.restore(ckpt.latest_step(), tr.abstract_state)
   ckpt.close()
   return jax.device_get(state), data
