@@ -29,6 +29,15 @@ Figures, per candidate count:
    clients) against the library's (goal: >= 0.85x), and latency p50/p99 at
    a fixed offered load of half the saturated QPS. Bounded in requests and
    seconds.
+5. The host cost of each stage of the HTTP path, milliseconds per request
+   (`host_stages`): JSON decoding, validation, conversion to training's
+   structures, history building and packing, response encoding, and the
+   load generator's request encoding. They need no device, so
+
+     PYTHONPATH=. python benchmarks/serve.py --host-stages --cands 500
+
+   times them alone on any machine (the config's data settings, a tiny
+   model: the model does not enter these stages).
 """
 
 import argparse
@@ -188,6 +197,67 @@ def cache_figures(ranker, log, req, case, records, reps: int):
       lower_is_better=True,
     )
   )
+
+
+def host_stages(ranker, log, req, per_call, case, records, reps: int):
+  """Figure 5: host milliseconds per request of each stage of the HTTP
+  path, on the case's requests (one per body, as the load generator sends
+  them), through the functions the server runs. Median of `reps`."""
+  from gemjax.serve import http
+  from gemjax.serve.requests import to_log_and_requests
+
+  data = ranker.cfg.data
+  dicts = request_dicts(log, req)
+  bodies = [json.dumps({"requests": [d]}).encode() for d in dicts]
+  decoded = [http.decode_json(b) for b in bodies]
+  parsed = [
+    http.parse_body(b, data, data.num_dense, 1000.0)[0][0] for b in decoded
+  ]
+  calls = [parsed[i : i + per_call] for i in range(0, len(parsed), per_call)]
+  converted = [to_log_and_requests(c, len(ranker.tasks)) for c in calls]
+  probs = [
+    np.zeros((len(d["candidates"]["item"]), 2), np.float32) for d in dicts
+  ]
+  stages = {
+    "client: encode request": lambda: [
+      json.dumps({"requests": [d]}).encode() for d in dicts
+    ],
+    "decode JSON": lambda: [http.decode_json(b) for b in bodies],
+    "validate": lambda: [
+      http.parse_body(b, data, data.num_dense, 1000.0) for b in decoded
+    ],
+    "convert": lambda: [
+      to_log_and_requests(c, len(ranker.tasks)) for c in calls
+    ],
+    "build + pack": lambda: [list(ranker.batches(*lr)) for lr in converted],
+    "encode response": lambda: [
+      http.encode_scores([p], ranker.tasks, 0) for p in probs
+    ],
+  }
+  out = {}
+  for name, fn in stages.items():
+    fn()
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - t0)
+    out[name] = float(np.median(times)) / len(dicts) * 1e3
+    records.append(
+      common.record(
+        NAME,
+        case,
+        f"host: {name}",
+        "ms per request (host)",
+        out[name],
+        lower_is_better=True,
+      )
+    )
+  print(
+    "  host ms/request: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()),
+    flush=True,
+  )
+  return out
 
 
 def library_qps(ranker, log, req, seconds: float) -> float:
@@ -355,9 +425,20 @@ def main(argv=None):
     default=None,
     help="REQUESTS,SECONDS per HTTP load run (default 2000,20; smoke 24,5)",
   )
+  ap.add_argument(
+    "--host-stages",
+    action="store_true",
+    help="only figure 5 (host ms per stage), with a tiny model",
+  )
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  if args.smoke:
+  if args.host_stages and not args.smoke:
+    tiny = [s for s in SMOKE if s.startswith("model.")]
+    cfg = config_lib.load(args.config, tiny)
+    cands = [int(c) for c in args.cands.split(",")]
+    budget = 2000
+    bound, lib_s = (0, 0.0), 0.0
+  elif args.smoke:
     cfg = config_lib.load("smoke", SMOKE)
     cands = [8, 40]
     budget = 80
@@ -400,6 +481,17 @@ def main(argv=None):
       for p in paths
     }
     log, req = make_requests(cfg, 4 * per_call, n, block)
+    host_stages(
+      rankers[paths[0]],
+      log,
+      req,
+      per_call,
+      case,
+      records,
+      3 if args.smoke else 7,
+    )
+    if args.host_stages:
+      continue
     t = time.perf_counter()
     for r in rankers.values():
       r.warmup()
