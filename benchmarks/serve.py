@@ -26,9 +26,19 @@ Figures, per candidate count:
 4. The HTTP service (`gemjax.serve.http`, uvicorn in this process; the load
    generator is a separate process on localhost, so its JSON encoding does
    not share this interpreter): QPS at saturation (closed loop, several
-   clients) against the library's (goal: >= 0.85x), and latency p50/p99 at
-   a fixed offered load of half the saturated QPS. Bounded in requests and
-   seconds.
+   clients in several generator processes) against the library's (goal:
+   >= 0.85x), and latency p50/p99 at a fixed offered load of half the
+   saturated QPS. Bounded in requests and seconds. Both figures score the
+   same requests in the same process.
+5. The host cost of each stage of the HTTP path, milliseconds per request
+   (`host_stages`): JSON decoding, validation, conversion to training's
+   structures, history building and packing, response encoding, and the
+   load generator's request encoding. They need no device, so
+
+     PYTHONPATH=. python benchmarks/serve.py --host-stages --cands 500
+
+   times them alone on any machine (the config's data settings, a tiny
+   model: the model does not enter these stages).
 """
 
 import argparse
@@ -190,6 +200,67 @@ def cache_figures(ranker, log, req, case, records, reps: int):
   )
 
 
+def host_stages(ranker, log, req, per_call, case, records, reps: int):
+  """Figure 5: host milliseconds per request of each stage of the HTTP
+  path, on the case's requests (one per body, as the load generator sends
+  them), through the functions the server runs. Median of `reps`."""
+  from gemjax.serve import http
+  from gemjax.serve.requests import to_log_and_requests
+
+  data = ranker.cfg.data
+  dicts = request_dicts(log, req)
+  bodies = [json.dumps({"requests": [d]}).encode() for d in dicts]
+  decoded = [http.decode_json(b) for b in bodies]
+  parsed = [
+    http.parse_body(b, data, data.num_dense, 1000.0)[0][0] for b in decoded
+  ]
+  calls = [parsed[i : i + per_call] for i in range(0, len(parsed), per_call)]
+  converted = [to_log_and_requests(c, len(ranker.tasks)) for c in calls]
+  probs = [
+    np.zeros((len(d["candidates"]["item"]), 2), np.float32) for d in dicts
+  ]
+  stages = {
+    "client: encode request": lambda: [
+      json.dumps({"requests": [d]}).encode() for d in dicts
+    ],
+    "decode JSON": lambda: [http.decode_json(b) for b in bodies],
+    "validate": lambda: [
+      http.parse_body(b, data, data.num_dense, 1000.0) for b in decoded
+    ],
+    "convert": lambda: [
+      to_log_and_requests(c, len(ranker.tasks)) for c in calls
+    ],
+    "build + pack": lambda: [list(ranker.batches(*lr)) for lr in converted],
+    "encode response": lambda: [
+      http.encode_scores([p], ranker.tasks, 0) for p in probs
+    ],
+  }
+  out = {}
+  for name, fn in stages.items():
+    fn()
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - t0)
+    out[name] = float(np.median(times)) / len(dicts) * 1e3
+    records.append(
+      common.record(
+        NAME,
+        case,
+        f"host: {name}",
+        "ms per request (host)",
+        out[name],
+        lower_is_better=True,
+      )
+    )
+  print(
+    "  host ms/request: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()),
+    flush=True,
+  )
+  return out
+
+
 def library_qps(ranker, log, req, seconds: float) -> float:
   """Figure 2: requests/s of `score_log` end to end, repeated for about
   `seconds`."""
@@ -201,53 +272,89 @@ def library_qps(ranker, log, req, seconds: float) -> float:
   return n / (time.perf_counter() - t0)
 
 
-def _load(url, bodies, concurrency, total, seconds, rate):
-  """Load generator (its own process): POST `bodies` round robin; closed
-  loop with `concurrency` clients, or open loop at `rate` requests/s.
-  Returns (latencies s of 200s, statuses, elapsed s)."""
-  import httpx
+def _load(url, bodies, part, parts, threads, total, start, seconds, rate):
+  """One load-generator process, part `part` of `parts`: POSTs its share
+  of `bodies` (request i for i = part, part + parts, ...) from `threads`
+  threads, each on its own keep-alive connection (`http.client`: a
+  fraction of httpx's CPU per request). Closed loop (`rate` None): each
+  thread sends its next request when the last is answered; open loop:
+  request i is due at `start + i / rate` (wall clock, shared by all
+  parts) and its latency counts from then, so time spent waiting for a
+  free thread is not hidden. Stops after `total` requests in all or at
+  `start + seconds`. Returns (latencies s of 200s, statuses, first send,
+  last answer), times in `time.time()`."""
+  import http.client
+  import threading
+  import urllib.parse
 
-  lat, codes = [], {}
-  t0 = time.perf_counter()
-  stop = t0 + seconds
+  host = urllib.parse.urlsplit(url)
+  lat, codes, lock = [], {}, threading.Lock()
+  stop = start + seconds
+  mine = iter(range(part, total, parts))
+  conns = threading.local()
+  ends = []
 
-  def one(i, client):
-    s = time.perf_counter()
-    r = client.post(
-      f"{url}/v1/score",
-      content=bodies[i % len(bodies)],
+  def one(i, due):
+    c = getattr(conns, "c", None)
+    if c is None:
+      c = conns.c = http.client.HTTPConnection(host.hostname, host.port)
+    c.request(
+      "POST",
+      "/v1/score",
+      body=bodies[i % len(bodies)],
       headers={"content-type": "application/json"},
-      timeout=60.0,
     )
-    codes[r.status_code] = codes.get(r.status_code, 0) + 1
-    if r.status_code == 200:
-      lat.append(time.perf_counter() - s)
+    r = c.getresponse()
+    r.read()
+    end = time.time()
+    with lock:
+      codes[r.status] = codes.get(r.status, 0) + 1
+      if r.status == 200:
+        lat.append(end - due)
+      ends.append(end)
 
-  with (
-    httpx.Client(limits=httpx.Limits(max_connections=concurrency)) as client,
-    concurrent.futures.ThreadPoolExecutor(concurrency) as pool,
-  ):
+  def closed():
+    for i in mine:
+      if time.time() > stop:
+        return
+      one(i, time.time())
+
+  time.sleep(max(0.0, start - time.time()))
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
     if rate is None:
-      counter = iter(range(total))
-
-      def worker():
-        for i in counter:
-          if time.perf_counter() > stop:
-            return
-          one(i, client)
-
-      list(pool.map(lambda _: worker(), range(concurrency)))
+      list(pool.map(lambda _: closed(), range(threads)))
     else:
       futs = []
-      for i in range(total):
-        due = t0 + i / rate
+      for i in mine:
+        due = start + i / rate
         if due > stop:
           break
-        time.sleep(max(0.0, due - time.perf_counter()))
-        futs.append(pool.submit(one, i, client))
+        time.sleep(max(0.0, due - time.time()))
+        futs.append(pool.submit(one, i, due))
       for f in futs:
         f.result()
-  return lat, codes, time.perf_counter() - t0
+  return lat, codes, start, max(ends, default=start)
+
+
+def _offer(gen, url, bodies, parts, threads, total, seconds, rate):
+  """Run `_load` in `parts` generator processes at once; returns
+  (latencies, statuses, elapsed s from the common start to the last
+  answer)."""
+  start = time.time() + 0.5  # every process started and waiting
+  futs = [
+    gen.submit(
+      _load, url, bodies, k, parts, threads, total, start, seconds, rate
+    )
+    for k in range(parts)
+  ]
+  lat, codes, end = [], {}, start
+  for f in futs:
+    a, c, _, e = f.result()
+    lat += a
+    for k, v in c.items():
+      codes[k] = codes.get(k, 0) + v
+    end = max(end, e)
+  return lat, codes, end - start
 
 
 @contextlib.contextmanager
@@ -271,27 +378,32 @@ def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
   ]
   ctx = multiprocessing.get_context("spawn")
   total, seconds = bound
+  # Generator processes, so that the load offered is never bounded by one
+  # client interpreter: closed loop with two connections per request slot
+  # of a program call, spread over the processes.
+  parts = max(1, min(4, (os.cpu_count() or 1) // 2))
+  threads = max(1, -(-2 * per_call // parts))
   # The generator imports this module, so JAX too: keep it off the GPU
-  # that this process holds (the child inherits the environment).
+  # that this process holds (the children inherit the environment).
   env = {k: os.environ.get(k) for k in ("JAX_PLATFORMS",)}
   os.environ["JAX_PLATFORMS"] = "cpu"
   with (
     in_thread(
       make_app(ranker, max_wait_ms=5, max_queue=4 * per_call + 8)
     ) as url,
-    concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as gen,
+    concurrent.futures.ProcessPoolExecutor(parts, mp_context=ctx) as gen,
     _restore_env(env),
   ):
-    # Warm the path once (connections, the worker thread).
-    gen.submit(_load, url, bodies[:1], 1, 1, 30.0, None).result()
-    lat, codes, el = gen.submit(
-      _load, url, bodies, 2 * per_call, total, seconds, None
-    ).result()
+    # Warm the path once per process (imports, connections, the worker).
+    _offer(gen, url, bodies, parts, 1, parts, 60.0, None)
+    lat, codes, el = _offer(
+      gen, url, bodies, parts, threads, total, seconds, None
+    )
     sat = len(lat) / el
     rate = max(sat / 2, 1e-3)
-    lat2, codes2, _ = gen.submit(
-      _load, url, bodies, 2 * per_call, total, seconds, rate
-    ).result()
+    lat2, codes2, _ = _offer(
+      gen, url, bodies, parts, threads, total, seconds, rate
+    )
   print(
     f"  http saturation: {sat:.1f} req/s, statuses {codes}; "
     f"at {rate:.1f} req/s: statuses {codes2}",
@@ -324,10 +436,9 @@ def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
 
 
 def _http_stack() -> bool:
-  """Whether the `[serve]` extra (and httpx) is installed; without it the
+  """Whether the `[serve]` extra is installed; without it the
   HTTP figures are skipped, said so, and the device figures still run."""
   try:
-    import httpx  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn  # noqa: F401
   except ImportError as e:
@@ -355,9 +466,20 @@ def main(argv=None):
     default=None,
     help="REQUESTS,SECONDS per HTTP load run (default 2000,20; smoke 24,5)",
   )
+  ap.add_argument(
+    "--host-stages",
+    action="store_true",
+    help="only figure 5 (host ms per stage), with a tiny model",
+  )
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  if args.smoke:
+  if args.host_stages and not args.smoke:
+    tiny = [s for s in SMOKE if s.startswith("model.")]
+    cfg = config_lib.load(args.config, tiny)
+    cands = [int(c) for c in args.cands.split(",")]
+    budget = 2000
+    bound, lib_s = (0, 0.0), 0.0
+  elif args.smoke:
     cfg = config_lib.load("smoke", SMOKE)
     cands = [8, 40]
     budget = 80
@@ -400,6 +522,17 @@ def main(argv=None):
       for p in paths
     }
     log, req = make_requests(cfg, 4 * per_call, n, block)
+    host_stages(
+      rankers[paths[0]],
+      log,
+      req,
+      per_call,
+      case,
+      records,
+      3 if args.smoke else 7,
+    )
+    if args.host_stages:
+      continue
     t = time.perf_counter()
     for r in rankers.values():
       r.warmup()
@@ -433,7 +566,10 @@ def main(argv=None):
         http_figures(
           rankers["m_falcon"], log, req, case, lib, per_call, bound, records
         )
-  common.write_results(NAME, records, args.out, dry_run=args.smoke)
+  # Host-stage runs are CPU figures: only to --out, like a smoke run.
+  common.write_results(
+    NAME, records, args.out, dry_run=args.smoke or args.host_stages
+  )
 
 
 if __name__ == "__main__":
