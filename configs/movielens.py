@@ -28,6 +28,10 @@ def get_config() -> Config:
       emb_dim=32,
       head_hidden=(128, 64),
       cross_layers=2,
+      # Learned queries that pool the whole history into the user vector
+      # (G2): the user's rating habit, which the candidates' cross
+      # attention alone did not carry as well as the baselines' aggregates.
+      pooled_queries=4,
     ),
     data=DataConfig(
       source="recbole",
