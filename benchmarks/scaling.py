@@ -37,7 +37,7 @@ The 1-GPU baseline uses the config's strategy. Every run starts at once, so
 their compilations (~2 minutes each on the H200 host) overlap; the timed
 part runs one at a time under a file lock, with nothing else on the GPUs.
 `--set KEY=VALUE` (repeatable) overrides the config in every run, as
-`python -m gemjax.train --set` does (e.g. `model.fp8=deepseek`); a single
+`python -m gemjax.train --set` does (e.g. `model.fp8.format=deepseek`); a single
 run is `--worker --gpus 1 [--set ...]`, which prints its step time.
 `--profile` also traces 3 steps of every run and prints device ms/step per
 stream, collectives apart from the rest, with the costliest kernels
@@ -118,7 +118,10 @@ def worker(
     data=data,
     train=dataclasses.replace(base.train, progress=False),
     model=dataclasses.replace(
-      base.model, attention_implementation=attention or None
+      base.model,
+      attention=dataclasses.replace(
+        base.model.attention, implementation=attention or None
+      ),
     ),
   )
   t_start = time.perf_counter()

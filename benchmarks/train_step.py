@@ -14,7 +14,7 @@ backward, optimizer) of the same parameters on the same requests:
   the same GQA, QK-norm, RoPE and optimizer. This is the seed's "before".
 - `ours`: the library's step (`Trainer.train_step`): jagged batches, our
   kernels, the config as shipped.
-- `fp8`: `ours` with `model.fp8=deepseek` (G4).
+- `fp8`: `ours` with `model.fp8.format=deepseek` (G4).
 - `batchNx`: `ours` on N times the requests per step (N consecutive
   batches of the same traffic packed into one, capacities N times larger).
 - `remat-<policy>`: `ours` with every region checkpointed by `policy`
@@ -191,12 +191,12 @@ def padded_forward(model, pb: PaddedBatch, impl):
   no pooled queries, no DHEN, no FP8."""
   cfg = model.cfg
   if (
-    cfg.seq_attention != "softmax"
-    or cfg.cand_attention != "softmax"
+    cfg.attention.seq != "softmax"
+    or cfg.attention.cand != "softmax"
     or model.pooling is not None
     or model.dhen is not None
-    or cfg.fp8 != "off"
-    or cfg.causal
+    or cfg.fp8.format != "off"
+    or cfg.attention.causal
   ):
     raise ValueError("padded variant: softmax attention, bf16 model only")
   dtype = jnp.dtype(cfg.dtype)
@@ -296,7 +296,7 @@ def variant_config(base, name):
     batch = re.fullmatch(r"batch(\d+)x", knob)
     budget = re.fullmatch(r"budget([\d.]+)", knob)
     if knob == "fp8":
-      cfg = config_lib.apply_overrides(cfg, ["model.fp8=deepseek"])
+      cfg = config_lib.apply_overrides(cfg, ["model.fp8.format=deepseek"])
     elif knob.startswith("remat-"):
       policy = knob.removeprefix("remat-")
       entries = ",".join(f"{r}={policy}" for r in regions)

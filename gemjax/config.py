@@ -5,10 +5,20 @@ configs live in `configs/<name>.py`, each exporting `get_config()`, and are
 loaded by path (`load`), so the library does not depend on the app; variants
 are made with `dataclasses.replace` or overrides such as
 `--set model.d_model=512 --set train.steps=200`. An override names a field
-path; a typo or a value of the wrong type fails at once and lists the valid
-keys.
+path, of any depth (`model.fp8.format=deepseek`); a typo or a value of the
+wrong type fails at once and lists the valid keys. A field typed `Literal`
+takes only its listed values, from `--set` and from Python alike.
+
+Settings that form a family are a frozen sub-config of their own:
+`model.attention` (`AttentionConfig`: which attention op runs and how) and
+`model.fp8` (`Fp8Config`: G4 FP8 matmuls). Their fields were once flat
+`ModelConfig` fields (`model.seq_attention`, `model.fp8`, ...): `MOVED`
+maps each old key to its new one, so `--set` of an old key fails naming
+the new key, and `from_dict` reads a checkpoint, run log or export that
+stores the flat layout (`upgrade`).
 """
 
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -18,15 +28,162 @@ import typing
 
 from gemjax.data.config import TASKS, DataConfig, checker
 
-__all__ = ["Config", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig"]
+__all__ = [
+  "AttentionConfig",
+  "Config",
+  "DataConfig",
+  "Fp8Config",
+  "MeshConfig",
+  "ModelConfig",
+  "TrainConfig",
+]
 
 
-FP8_FORMATS = ("off", "deepseek", "mxfp8")
-FP8_LAYER_FAMILIES = ("attn", "ffn", "input", "heads")
-SEQ_ATTENTION = ("softmax", "block", "sliding")
-CAND_ATTENTION = ("softmax", "gdpa")
-GDPA_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
-DTYPES = ("float32", "bfloat16", "float16")
+Dtype = typing.Literal["float32", "bfloat16", "float16"]
+# A kernel family's implementation (`pallas_kernels.dispatch`); None = the
+# best for the platform.
+Implementation = typing.Literal["xla", "mosaic"] | None
+Fp8Format = typing.Literal["off", "deepseek", "mxfp8"]
+Fp8Family = typing.Literal["attn", "ffn", "input", "heads"]
+SeqAttention = typing.Literal["softmax", "block", "sliding"]
+CandAttention = typing.Literal["softmax", "gdpa"]
+GdpaActivation = typing.Literal["gelu", "gelu_tanh", "silu"]
+
+
+def _optional(hint):
+  """`hint` without its `| None`, if it has one."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1:
+      return args[0]
+  return hint
+
+
+def _choices(hint) -> tuple | None:
+  """The values of a `Literal` field, or of its optional or tuple form (the
+  elements' values); None for any other type."""
+  base = _optional(hint)
+  elem = typing.get_args(base)[0] if typing.get_origin(base) is tuple else base
+  if typing.get_origin(elem) is not typing.Literal:
+    return None
+  return typing.get_args(elem) + ((None,) if base is not hint else ())
+
+
+# Keys of the flat `ModelConfig` that moved into its sub-configs, old -> new.
+# `--set` of an old key fails naming the new one; `from_dict` moves them
+# (`upgrade`), so a checkpoint, run log or export that stores the flat
+# layout still loads.
+MOVED = {
+  "model.fp8": "model.fp8.format",
+  **{
+    f"model.fp8_{name}": f"model.fp8.{name}"
+    for name in (
+      "layers",
+      "keep_last",
+      "hadamard",
+      "weight_grads",
+      "implementation",
+    )
+  },
+  "model.seq_attention": "model.attention.seq",
+  "model.cand_attention": "model.attention.cand",
+  "model.attention_implementation": "model.attention.implementation",
+  **{
+    f"model.{name}": f"model.attention.{name}"
+    for name in (
+      "block_size",
+      "sliding_window",
+      "causal",
+      "rope",
+      "rope_theta",
+      "gdpa_activation",
+      "gdpa_normalize",
+    )
+  },
+}
+
+
+def check_choices(cfg, section: str):
+  """`checker(cfg, section)`, once every field typed `Literal` (alone,
+  optional or as a tuple's elements) holds one of its values and every
+  sub-config field holds its class; a failure reads like the other checks."""
+  c = checker(cfg, section)
+  for name, hint in typing.get_type_hints(type(cfg)).items():
+    value = getattr(cfg, name)
+    if dataclasses.is_dataclass(hint):
+      key = f"{section}.{name}"
+      note = f" ({key} is now {MOVED[key]})" if key in MOVED else ""
+      c(name, isinstance(value, hint), f"{hint.__name__}{note}")
+      continue
+    choices = _choices(hint)
+    if choices is None:
+      continue
+    if typing.get_origin(_optional(hint)) is tuple:
+      c(name, set(value) <= set(choices), f"names from {choices}")
+    else:
+      c(name, value in choices, f"one of {choices}")
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """G4 FP8 matmuls (`pallas_kernels.fp8`, layer: `layers.Fp8Dense`)."""
+
+  # "off", "deepseek" (1x128 activation / 128x128 weight blocks, the Hopper
+  # default) or "mxfp8" (32x32 blocks). Forward and dX in FP8, dW in BF16.
+  format: Fp8Format = "off"
+  # Layer families computed in FP8 when `format` is on: "attn" (Q/K/V/O) and
+  # "ffn" (SwiGLU) of the SeqFormer and cross blocks; "input" (token,
+  # candidate and dense projections) and "heads" (the shared bottom MLP)
+  # are opt-in. The per-task towers always stay f32.
+  layers: tuple[Fp8Family, ...] = ("attn", "ffn")
+  # The last N blocks of the depth (SeqFormer blocks, then cross blocks,
+  # in construction order) stay in the compute dtype: the seed keeps the
+  # error-sensitive last layers in BF16. The default 1 is the cross block.
+  keep_last: int = 1
+  hadamard: int = 0  # random Hadamard block before quantizing; 0 = off
+  # Weight gradients in FP8 too (default BF16: the seed keeps dW, whose
+  # outliers are worse, in higher precision).
+  weight_grads: bool = False
+  implementation: Implementation = None
+
+  def __post_init__(self):
+    c = check_choices(self, "model.fp8")
+    c("keep_last", self.keep_last >= 0, ">= 0")
+    c("hadamard", self.hadamard >= 0, ">= 0 (0 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Which attention op runs and how (`pallas_kernels`, `model.attention`).
+
+  The family is what leaves the parameters as they are (a checkpoint's
+  weights fit any of it); what adds parameters (`qk_norm`,
+  `pooled_queries`, the head counts) is a `ModelConfig` field.
+  """
+
+  # SeqFormer self-attention: "softmax" (jagged flash attention, G1),
+  # "block" (softmax inside `block_size`-position blocks, RoPE fused, G3) or
+  # "sliding" (keys within `sliding_window` positions, the jagged kernel's
+  # window; the seed's intermediate step).
+  seq: SeqAttention = "softmax"
+  block_size: typing.Literal[32, 64, 128] = 64
+  sliding_window: int = 64
+  causal: bool = False  # SeqFormer self-attention
+  rope: bool = True  # RoPE at in-sequence positions, SeqFormer only
+  rope_theta: float = 10_000.0
+  # Candidate cross-attention and the pooled queries: "softmax", or "gdpa"
+  # (activation attention, G2) with `gdpa_activation` and `gdpa_normalize`
+  # (None, or "hstu": divide by the number of keys).
+  cand: CandAttention = "softmax"
+  gdpa_activation: GdpaActivation = "gelu_tanh"
+  gdpa_normalize: typing.Literal["hstu"] | None = None
+  implementation: Implementation = None
+
+  def __post_init__(self):
+    c = check_choices(self, "model.attention")
+    c("sliding_window", self.sliding_window >= 1, ">= 1")
+    c("rope_theta", self.rope_theta > 0, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,49 +196,15 @@ class ModelConfig:
   head_dim: int = 0  # 0 = d_model // num_heads
   ffn_mult: float = 8 / 3  # SwiGLU width / d_model
   qk_norm: bool = True  # O8
-  rope: bool = True
-  rope_theta: float = 10_000.0
-  causal: bool = False  # stage-1 self-attention
   cross_layers: int = 1  # stage-2 candidate -> sequence blocks
   emb_dim: int = 32  # one slice per table (O9), a multiple of 32
   head_hidden: tuple[int, ...] = (128, 64)
   dhen_layers: int = 0  # G6: DHEN expert layers before the heads (0 = off)
   dropout: float = 0.0  # heads' bottom MLP
-  tasks: tuple[str, ...] = ("ctr", "cvr")
-  dtype: str = "float32"  # compute dtype; parameters stay float32
-  attention_implementation: str | None = None  # None = best for platform
-  # G4 FP8 matmuls (`pallas_kernels.fp8`, layer: `layers.Fp8Dense`): "off",
-  # "deepseek" (1x128 activation / 128x128 weight blocks, the Hopper
-  # default) or "mxfp8" (32x32 blocks). Forward and dX in FP8, dW in BF16.
-  fp8: str = "off"
-  # Layer families computed in FP8 when `fp8` is on: "attn" (Q/K/V/O) and
-  # "ffn" (SwiGLU) of the SeqFormer and cross blocks; "input" (token,
-  # candidate and dense projections) and "heads" (the shared bottom MLP)
-  # are opt-in. The per-task towers always stay f32.
-  fp8_layers: tuple[str, ...] = ("attn", "ffn")
-  # The last N blocks of the depth (SeqFormer blocks, then cross blocks,
-  # in construction order) stay in the compute dtype: the seed keeps the
-  # error-sensitive last layers in BF16. The default 1 is the cross block.
-  fp8_keep_last: int = 1
-  fp8_hadamard: int = 0  # random Hadamard block before quantizing; 0 = off
-  # Weight gradients in FP8 too (default BF16: the seed keeps dW, whose
-  # outliers are worse, in higher precision).
-  fp8_weight_grads: bool = False
-  fp8_implementation: str | None = None  # None = best for platform
-  # Attention kinds (pallas_kernels), each selectable by config. SeqFormer
-  # self-attention: "softmax" (jagged flash attention, G1), "block" (softmax
-  # inside `block_size`-position blocks, RoPE fused, G3) or "sliding" (keys
-  # within `sliding_window` positions, the jagged kernel's window; the
-  # seed's intermediate step).
-  seq_attention: str = "softmax"
-  block_size: int = 64  # 32, 64 or 128
-  sliding_window: int = 64
-  # Candidate cross-attention: "softmax" or "gdpa" (activation attention,
-  # G2) with `gdpa_activation` ("gelu", "gelu_tanh", "silu") and
-  # `gdpa_normalize` (None or "hstu": divide by the number of keys).
-  cand_attention: str = "softmax"
-  gdpa_activation: str = "gelu_tanh"
-  gdpa_normalize: str | None = None
+  tasks: tuple[typing.Literal[TASKS], ...] = ("ctr", "cvr")
+  dtype: Dtype = "float32"  # compute dtype; parameters stay float32
+  attention: AttentionConfig = AttentionConfig()
+  fp8: Fp8Config = Fp8Config()
   # Pooled attention (G2): this many learned queries compress each request's
   # history by GDPA into vectors added to the request's user vector; 0 = off.
   pooled_queries: int = 0
@@ -91,7 +214,7 @@ class ModelConfig:
   remat: tuple[str, ...] = ()
 
   def __post_init__(self):
-    c = checker(self, "model")
+    c = check_choices(self, "model")
     for name in ("d_model", "num_layers", "num_heads", "num_kv_heads"):
       c(name, getattr(self, name) >= 1, ">= 1")
     c(
@@ -123,43 +246,10 @@ class ModelConfig:
     c("dropout", 0 <= self.dropout < 1, "in [0, 1)")
     c(
       "tasks",
-      len(self.tasks) >= 1
-      and len(set(self.tasks)) == len(self.tasks)
-      and set(self.tasks) <= set(TASKS),
+      len(self.tasks) >= 1 and len(set(self.tasks)) == len(self.tasks),
       f"distinct names of {TASKS}, at least one",
     )
-    c("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
-    c(
-      "seq_attention",
-      self.seq_attention in SEQ_ATTENTION,
-      f"one of {SEQ_ATTENTION}",
-    )
-    c("block_size", self.block_size in (32, 64, 128), "one of (32, 64, 128)")
-    c(
-      "cand_attention",
-      self.cand_attention in CAND_ATTENTION,
-      f"one of {CAND_ATTENTION}",
-    )
-    c(
-      "gdpa_activation",
-      self.gdpa_activation in GDPA_ACTIVATIONS,
-      f"one of {GDPA_ACTIVATIONS}",
-    )
-    c(
-      "gdpa_normalize",
-      self.gdpa_normalize in (None, "hstu"),
-      "one of (None, 'hstu')",
-    )
-    c("sliding_window", self.sliding_window >= 1, ">= 1")
     c("pooled_queries", self.pooled_queries >= 0, ">= 0")
-    c("fp8", self.fp8 in FP8_FORMATS, f"one of {FP8_FORMATS}")
-    c(
-      "fp8_layers",
-      set(self.fp8_layers) <= set(FP8_LAYER_FAMILIES),
-      f"names from {FP8_LAYER_FAMILIES}",
-    )
-    c("fp8_keep_last", self.fp8_keep_last >= 0, ">= 0")
-    c("fp8_hadamard", self.fp8_hadamard >= 0, ">= 0 (0 = off)")
     if self.remat:  # the model's names; an exported scorer has no model
       from gemjax.model import remat
 
@@ -317,6 +407,11 @@ def apply_overrides(cfg, overrides: typing.Sequence[str]):
     if not sep:
       raise ValueError(f"override {item!r} must look like key=value")
     key = key.strip()
+    if key in MOVED:
+      raise ValueError(
+        f"config key {key!r} is now {MOVED[key]!r}: "
+        f"--set {MOVED[key]}={raw.strip()}"
+      )
     try:
       path, value = _resolve(cfg, key.split("."), raw.strip(), key)
     except KeyError:
@@ -359,6 +454,11 @@ def _resolve(obj, path, raw, full_key):
   try:
     return [head], _parse(raw, hint)
   except (TypeError, ValueError) as e:
+    choices = _choices(hint)
+    if choices is not None:
+      many = typing.get_origin(_optional(hint)) is tuple
+      allowed = f"{'names from' if many else 'one of'} {choices}"
+      raise ValueError(f"{full_key}={raw!r}: must be {allowed}") from None
     raise ValueError(f"{full_key}={raw!r}: expected {hint}: {e}") from None
 
 
@@ -384,6 +484,12 @@ def _parse(raw: str, hint):
     (elem, *_) = typing.get_args(hint)
     parts = [p for p in raw.strip("()[] ").split(",") if p.strip()]
     return tuple(_parse(p.strip(), elem) for p in parts)
+  if origin is typing.Literal:
+    # By its written form, so that `64` names the int choice 64.
+    for choice in typing.get_args(hint):
+      if raw == str(choice):
+        return choice
+    raise ValueError("not a choice")
   if hint is bool:
     if raw.lower() in ("true", "1", "yes"):
       return True
@@ -393,6 +499,32 @@ def _parse(raw: str, hint):
   if hint in (int, float, str):
     return hint(raw)
   raise TypeError(f"cannot parse {hint}")
+
+
+def upgrade(d: dict) -> dict:
+  """A copy of `d` (a `to_dict` dict, as JSON stores it) with every key of
+  `MOVED` at its new place; a dict of the current layout comes back equal."""
+  d = copy.deepcopy(d)
+  found = {}
+  for old, new in MOVED.items():
+    section, name = old.split(".")
+    fields = d.get(section)
+    # `model.fp8` holding a dict is the current layout's section.
+    if (
+      isinstance(fields, dict)
+      and name in fields
+      and not isinstance(fields[name], dict)
+    ):
+      found[new] = (old, fields.pop(name))
+  for new, (old, value) in found.items():
+    section, *path, name = new.split(".")
+    node = d[section]
+    for part in path:
+      node = node.setdefault(part, {})
+    if name in node:
+      raise ValueError(f"config dict has both {old!r} and {new!r}")
+    node[name] = value
+  return d
 
 
 def to_dict(cfg: Config) -> dict:
@@ -405,9 +537,11 @@ def from_dict(d: dict) -> Config:
 
   Keys must be fields: a dict from another version of the code (a field
   renamed or removed) fails naming the key, instead of being read as
-  something else. Fields missing from `d` take their defaults.
+  something else. Fields missing from `d` take their defaults. A dict of
+  the flat model layout (`model.fp8`, `model.seq_attention`, ...) is read
+  through `upgrade`.
   """
-  return _from_dict(Config, d, "")
+  return _from_dict(Config, upgrade(d), "")
 
 
 def _from_dict(cls, d: dict, prefix: str):

@@ -36,17 +36,12 @@ KINDS = ("softmax", "gdpa", "block", "sliding")
 
 def attention_options(cfg, stage: str) -> dict:
   """`Attention` settings of a SeqFormer ("seq") or candidate ("cand")
-  block from the `ModelConfig`."""
+  block from the `ModelConfig`'s `attention`."""
+  a = cfg.attention
   if stage == "seq":
-    return dict(
-      kind=cfg.seq_attention,
-      block_size=cfg.block_size,
-      window=cfg.sliding_window,
-    )
+    return dict(kind=a.seq, block_size=a.block_size, window=a.sliding_window)
   return dict(
-    kind=cfg.cand_attention,
-    activation=cfg.gdpa_activation,
-    normalize=cfg.gdpa_normalize,
+    kind=a.cand, activation=a.gdpa_activation, normalize=a.gdpa_normalize
   )
 
 

@@ -13,11 +13,11 @@ checkpoint does not care whether FP8 was on): `y = x @ w` computed by
 activation blocks (1x128 "deepseek", 32x32 "mxfp8") and `w` along `d_in` in
 weight blocks (128x128 / 32x32), e4m3 values with power-of-two scales. Its
 `custom_vjp` computes dX in FP8 from the forward's quantized weight and dW in
-BF16 from the dequantized activation (straight-through; `fp8_weight_grads`
-computes dW in FP8 too). `fp8_for(cfg,
-family, block)` decides per layer from `ModelConfig.fp8*`: the heads, the
-input projections and the last `fp8_keep_last` blocks stay in the compute
-dtype by default.
+BF16 from the dequantized activation (straight-through;
+`model.fp8.weight_grads` computes dW in FP8 too). `fp8_for(cfg, family,
+block)` decides per layer from `ModelConfig.fp8` (an `Fp8Config`): the
+heads, the input projections and the last `fp8.keep_last` blocks stay in
+the compute dtype by default.
 
 Two fusions feed it 8-bit operands:
 - activations: an `RMSNorm` built with `quantize=` returns its output as an
@@ -124,17 +124,18 @@ def fp8_for(cfg, family: str, block: int | None = None):
   `cfg` is a `ModelConfig`; `block` is the block's depth index (SeqFormer
   blocks `0..num_layers-1`, then cross blocks), None outside the blocks.
   """
-  if cfg.fp8 == "off" or family not in cfg.fp8_layers:
+  f = cfg.fp8
+  if f.format == "off" or family not in f.layers:
     return None
   if block is not None:
     depth = cfg.num_layers + cfg.cross_layers
-    if block >= depth - cfg.fp8_keep_last:
+    if block >= depth - f.keep_last:
       return None
   return Fp8Settings(
-    format=cfg.fp8,
-    hadamard=cfg.fp8_hadamard or None,
-    implementation=cfg.fp8_implementation,
-    weight_grads=cfg.fp8_weight_grads,
+    format=f.format,
+    hadamard=f.hadamard or None,
+    implementation=f.implementation,
+    weight_grads=f.weight_grads,
   )
 
 

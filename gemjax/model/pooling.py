@@ -36,9 +36,9 @@ class PooledAttention(nnx.Module):
     self.o = dense(p * n * h, cfg.d_model, ("heads", "embed"), **kw)
     self.q_norm = RMSNorm(h, "head_dim") if cfg.qk_norm else None
     self.k_norm = RMSNorm(h, "head_dim") if cfg.qk_norm else None
-    self.activation = cfg.gdpa_activation
-    self.normalize = cfg.gdpa_normalize
-    self.implementation = cfg.attention_implementation
+    self.activation = cfg.attention.gdpa_activation
+    self.normalize = cfg.attention.gdpa_normalize
+    self.implementation = cfg.attention.implementation
     self.dtype = dtype
 
   def __call__(self, seq_td, offsets_b, *, max_len: int):

@@ -16,12 +16,12 @@ For one jagged batch (see `gemjax.data.jagged`):
 A request with an empty history still scores its candidates (its attention
 output is zero); its sequence positions get zero gradients.
 
-Attention options (`ModelConfig`, G2/G3): `seq_attention` (softmax, block,
-sliding) for stage 1, `cand_attention` (softmax, gdpa) for stage 2, and
-`pooled_queries > 0` adds a GDPA summary of the history by learned queries
+Attention options (`cfg.attention`, G2/G3): `seq` (softmax, block, sliding)
+for stage 1, `cand` (softmax, gdpa) for stage 2; `cfg.pooled_queries > 0`
+adds a GDPA summary of the history by learned queries
 (`gemjax.model.pooling`) to each request's user vector.
 
-FP8 (G4, `cfg.fp8`): which layers run in FP8 is decided by
+FP8 (G4, `cfg.fp8`, an `Fp8Config`): which layers run in FP8 is decided by
 `layers.fp8_for`; the cross blocks count after the SeqFormer blocks in the
 depth, the input projections are family "input", the bottom MLP "heads";
 the task towers always stay f32.

@@ -51,7 +51,7 @@ class Block(nnx.Module):
       qk_norm=cfg.qk_norm,
       rngs=rngs,
       dtype=dtype,
-      implementation=cfg.attention_implementation,
+      implementation=cfg.attention.implementation,
       fp8=attn_fp8,
       **attention_options(cfg, stage),
     )
@@ -79,8 +79,8 @@ class SeqFormer(nnx.Module):
       raise ValueError(
         f"layer_order {self.order} names blocks outside 0..{cfg.num_layers - 1}"
       )
-    self.causal = cfg.causal
-    self.rope_theta = cfg.rope_theta if cfg.rope else None
+    self.causal = cfg.attention.causal
+    self.rope_theta = cfg.attention.rope_theta if cfg.attention.rope else None
     # G9: the checkpoint policy of each block application.
     self.remat = tuple(
       remat.policy(cfg.remat, f"seq{j}") for j in range(len(self.order))

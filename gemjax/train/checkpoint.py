@@ -63,27 +63,37 @@ RUNTIME_FIELDS = frozenset(
     "data.prefetch",
     "data.workers",
     "data.read_chunk_bytes",
-    "model.attention_implementation",
-    "model.fp8_implementation",
+    "model.attention.implementation",
+    "model.fp8.implementation",
   }
 )
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-  """`section.field old -> new` for each model or data field that differs
-  between two `gemjax.config.to_dict` dicts as JSON stores them (a field
-  missing from `saved`, e.g. added by a newer version of the code, counts as
-  unchanged)."""
+  """`section.field old -> new` for each model or data field, nested ones
+  by their full key (`model.attention.seq`), that differs between two
+  `gemjax.config.to_dict` dicts of the same layout as JSON stores them (a
+  field missing from `saved`, e.g. added by a newer version of the code,
+  counts as unchanged)."""
   out = []
   for section in ("model", "data"):
-    old, new = saved.get(section, {}), current[section]
-    for name in sorted(new):
-      key = f"{section}.{name}"
-      if name in old and old[name] != new[name] and key not in RUNTIME_FIELDS:
-        out.append(f"{key} {_short(old[name])} -> {_short(new[name])}")
-    out += [
-      f"{section}.{n} (unknown here)" for n in sorted(set(old) - set(new))
-    ]
+    old = _leaves(saved.get(section, {}), f"{section}.")
+    new = _leaves(current[section], f"{section}.")
+    for key in sorted(new):
+      if key in old and old[key] != new[key] and key not in RUNTIME_FIELDS:
+        out.append(f"{key} {_short(old[key])} -> {_short(new[key])}")
+    out += [f"{key} (unknown here)" for key in sorted(set(old) - set(new))]
+  return out
+
+
+def _leaves(d: dict, prefix: str) -> dict:
+  """`{full key: value}` of a config section's fields, sub-configs opened."""
+  out = {}
+  for name, value in d.items():
+    if isinstance(value, dict):
+      out.update(_leaves(value, f"{prefix}{name}."))
+    else:
+      out[f"{prefix}{name}"] = value
   return out
 
 

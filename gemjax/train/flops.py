@@ -157,12 +157,13 @@ def step_flops(cfg, batch) -> StepFlops:
   qkvo = 2 * d * (2 * n * h + 2 * k * h)  # per token, Q/K/V/O
   ffn = 6 * d * f  # per token, gate + up + down
   depth = len(m.layer_order or range(m.num_layers))
-  if m.seq_attention == "block":
-    pairs = attention_pairs(lens, causal=m.causal, block=m.block_size)
-  elif m.seq_attention == "sliding":
-    pairs = attention_pairs(lens, causal=m.causal, window=m.sliding_window)
+  a = m.attention
+  if a.seq == "block":
+    pairs = attention_pairs(lens, causal=a.causal, block=a.block_size)
+  elif a.seq == "sliding":
+    pairs = attention_pairs(lens, causal=a.causal, window=a.sliding_window)
   else:
-    pairs = attention_pairs(lens, causal=m.causal)
+    pairs = attention_pairs(lens, causal=a.causal)
   parts = {
     "input_tokens": 2 * t * len(SEQ_FEATURES) * e * d,
     "input_other": 2 * c * len(CAND_FEATURES) * e * d

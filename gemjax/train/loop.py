@@ -465,9 +465,10 @@ def _check_resume(cfg, run_dir, saved: dict | None) -> None:
   if saved is None:
     changes = ["the checkpoint stores no config"]
   else:
-    # Compared as stored: JSON (tuples read back as lists).
+    # Compared as stored: JSON (tuples read back as lists), an older
+    # checkpoint's flat model layout moved to the current one.
     current = json.loads(json.dumps(config_lib.to_dict(cfg)))
-    changes = config_changes(saved, current)
+    changes = config_changes(config_lib.upgrade(saved), current)
   if changes:
     raise CannotResume(
       f"{run_dir} holds a run of another config ({', '.join(changes)}): "

@@ -241,8 +241,8 @@ def test_ranking_train_step_all_gathers_8_bit_weights():
   gathered once in 8 bits; the figures are printed for the report."""
   cfg = config.load("smoke", [
     "model.d_model=256", "model.num_layers=1", "model.num_heads=8",
-    "model.num_kv_heads=2", "model.head_hidden=32", "model.fp8=mxfp8",
-    "model.fp8_keep_last=0", "model.cross_layers=1",
+    "model.num_kv_heads=2", "model.head_hidden=32", "model.fp8.format=mxfp8",
+    "model.fp8.keep_last=0", "model.cross_layers=1",
     "data.num_items=64", "data.num_categories=12",
     "data.num_users=8",
   ])  # fmt: skip

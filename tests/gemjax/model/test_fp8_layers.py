@@ -31,7 +31,7 @@ from flax import nnx
 
 import pallas_kernels
 from gemjax import config
-from gemjax.config import ModelConfig
+from gemjax.config import Fp8Config, ModelConfig
 from gemjax.model import layers
 from gemjax.model.ranking import RankingModel
 from gemjax.train.loop import train
@@ -133,7 +133,7 @@ def test_fp8_dense_within_bound_of_dense(fmt_name, dtype):
 
 @pytest.mark.parametrize("fmt_name", ["deepseek", "mxfp8"])
 def test_fp8_weight_grads_option(fmt_name):
-  """`weight_grads=True` (`model.fp8_weight_grads`): dW from FP8 operands,
+  """`weight_grads=True` (`model.fp8.weight_grads`): dW from FP8 operands,
   within (2u + u^2) |x|^T.|g| + subnormal terms of the exact dW."""
   t, d_in, d_out = 37, 192, 96
   ref, f8 = _layers(fmt_name, jnp.float32, d_in, d_out)
@@ -206,8 +206,8 @@ def _kinds(model):
 def test_config_selects_fp8_layers():
   off = RankingModel(CFG, VOCAB, 3, rngs=nnx.Rngs(0))
   assert set(_kinds(off).values()) == {"dense"}
-  on = RankingModel(dataclasses.replace(CFG, fp8="mxfp8"), VOCAB, 3,
-                    rngs=nnx.Rngs(0))  # fmt: skip
+  on = RankingModel(dataclasses.replace(CFG, fp8=Fp8Config("mxfp8")), VOCAB,
+                    3, rngs=nnx.Rngs(0))  # fmt: skip
   kinds = _kinds(on)
   fp8 = {k for k, v in kinds.items() if v == "fp8"}
   # Default: attention and FFN of both SeqFormer blocks; the cross block
@@ -227,15 +227,15 @@ def test_config_selects_fp8_layers():
   p_on = nnx.to_pure_dict(nnx.state(on, nnx.Param))
   for a, b in zip(jax.tree.leaves(p_off), jax.tree.leaves(p_on), strict=True):
     np.testing.assert_array_equal(a, b)
-  every = dataclasses.replace(
-    CFG, fp8="deepseek", fp8_keep_last=0,
-    fp8_layers=("attn", "ffn", "input", "heads"), fp8_hadamard=32,
-  )  # fmt: skip
+  every = dataclasses.replace(CFG, fp8=Fp8Config(
+    "deepseek", keep_last=0, layers=("attn", "ffn", "input", "heads"),
+    hadamard=32,
+  ))  # fmt: skip
   kinds = _kinds(RankingModel(every, VOCAB, 3, rngs=nnx.Rngs(0)))
   dense = {k for k, v in kinds.items() if v == "dense"}
   assert dense == {"heads/towers/0", "heads/towers/1"}
-  only_ffn = dataclasses.replace(CFG, fp8="deepseek", fp8_layers=("ffn",),
-                                 fp8_keep_last=2)  # fmt: skip
+  only_ffn = dataclasses.replace(CFG, fp8=Fp8Config(
+    "deepseek", layers=("ffn",), keep_last=2))  # fmt: skip
   kinds = _kinds(RankingModel(only_ffn, VOCAB, 3, rngs=nnx.Rngs(0)))
   assert {k for k, v in kinds.items() if v == "fp8"} == {
     "seqformer/blocks/0/ffn/gate", "seqformer/blocks/0/ffn/up",
@@ -244,19 +244,20 @@ def test_config_selects_fp8_layers():
 
 
 def test_config_checks_and_overrides():
-  with pytest.raises(ValueError, match="fp8"):
-    ModelConfig(fp8="fp4")
-  with pytest.raises(ValueError, match="fp8_layers"):
-    ModelConfig(fp8_layers=("attn", "embeddings"))
-  cfg = config.load("smoke", ["model.fp8=mxfp8",
-                              "model.fp8_layers=attn,ffn,heads",
-                              "model.fp8_hadamard=32"])  # fmt: skip
-  assert cfg.model.fp8 == "mxfp8"
-  assert cfg.model.fp8_layers == ("attn", "ffn", "heads")
+  with pytest.raises(ValueError, match="model.fp8.format='fp4'"):
+    Fp8Config(format="fp4")
+  with pytest.raises(ValueError, match="model.fp8.layers=.*names from"):
+    Fp8Config(layers=("attn", "embeddings"))
+  cfg = config.load("smoke", ["model.fp8.format=mxfp8",
+                              "model.fp8.layers=attn,ffn,heads",
+                              "model.fp8.hadamard=32"])  # fmt: skip
+  assert cfg.model.fp8.format == "mxfp8"
+  assert cfg.model.fp8.layers == ("attn", "ffn", "heads")
   assert layers.fp8_for(cfg.model, "heads").hadamard == 32
   assert layers.fp8_for(cfg.model, "input") is None
   assert not layers.fp8_for(cfg.model, "attn").weight_grads
-  cfg = config.load("smoke", ["model.fp8=deepseek", "model.fp8_weight_grads=1",
+  cfg = config.load("smoke", ["model.fp8.format=deepseek",
+                              "model.fp8.weight_grads=1",
                               "model.cross_layers=1"])  # fmt: skip
   assert layers.fp8_for(cfg.model, "ffn", 0).weight_grads
   assert layers.fp8_for(cfg.model, "ffn", 2) is None  # the cross block
@@ -287,8 +288,9 @@ def test_ranking_model_fp8_close_to_off():
 
   y_off, d_off = run(CFG)
   for fmt_name, hb in [("deepseek", 0), ("mxfp8", 32)]:
-    cfg = dataclasses.replace(CFG, fp8=fmt_name, fp8_keep_last=0,
-                              fp8_hadamard=hb)  # fmt: skip
+    cfg = dataclasses.replace(
+      CFG, fp8=Fp8Config(fmt_name, keep_last=0, hadamard=hb)
+    )
     y_on, d_on = run(cfg)
     assert np.all(np.isfinite(d_on))
     assert _rel(y_on, y_off) < 0.04, fmt_name
@@ -300,7 +302,7 @@ def test_deepseek_keeps_requests_isolated():
   never moves another request's scores (with 32x32 "mxfp8" blocks, tokens
   of neighbouring requests share a scale, so isolation holds only up to
   that scale)."""
-  cfg = dataclasses.replace(CFG, fp8="deepseek", fp8_keep_last=0)
+  cfg = dataclasses.replace(CFG, fp8=Fp8Config("deepseek", keep_last=0))
   g, st = nnx.split(RankingModel(cfg, VOCAB, 3, rngs=nnx.Rngs(0)), nnx.Param)
   lengths, cands = [4, 1, 9, 5], [3, 2, 4, 3]
   b1 = random_batch(VOCAB, lengths, cands, token_capacity=24,
@@ -359,7 +361,7 @@ def _parity_runs(run_dir) -> dict:
   """Both runs, in this process (see `test_training_parity_fp8_on_off`)."""
   one = jax.devices()[:1]
   out = {}
-  for name, more in (("off", []), ("on", ["model.fp8=deepseek"])):
+  for name, more in (("off", []), ("on", ["model.fp8.format=deepseek"])):
     cfg = config.load("smoke", PARITY + more)
     result = train(cfg, run_dir / name, devices=one)
     out[name] = (result["ctr"]["auc"], _final_loss(run_dir / name))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gemjax.config import ModelConfig
+from gemjax.config import AttentionConfig, ModelConfig
 from gemjax.model.ranking import RankingModel
 from tests.batches import random_batch
 
@@ -47,10 +47,30 @@ def logits(graphdef, state, batch):
 # the sliding window, GDPA for candidates and pooled history queries.
 OPTIONS = {
   "default": {},
-  "block32": dict(seq_attention="block", block_size=32),
-  "sliding": dict(seq_attention="sliding", sliding_window=2),
-  "gdpa_pooled": dict(cand_attention="gdpa", pooled_queries=2),
+  "block32": dict(attention=AttentionConfig(seq="block", block_size=32)),
+  "sliding": dict(attention=AttentionConfig(seq="sliding", sliding_window=2)),
+  "gdpa_pooled": dict(attention=AttentionConfig(cand="gdpa"), pooled_queries=2),
 }
+
+
+def test_attention_settings_keep_the_parameters():
+  """`model.attention` groups what leaves the parameters as they are: every
+  field off its default gives the same parameter tree, value for value."""
+  other = AttentionConfig(
+    seq="block", block_size=32, sliding_window=8, causal=True, rope=False,
+    rope_theta=500.0, cand="gdpa", gdpa_activation="silu",
+    gdpa_normalize="hstu", implementation="xla",
+  )  # fmt: skip
+  assert all(
+    getattr(other, f.name) != f.default
+    for f in dataclasses.fields(AttentionConfig)
+  )
+  _, a = make()
+  _, b = make(dataclasses.replace(CFG, attention=other))
+  a, b = nnx.to_pure_dict(a), nnx.to_pure_dict(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("option", OPTIONS)

@@ -9,9 +9,10 @@ import sys
 import numpy as np
 
 from gemjax.data import synthetic
-from gemjax.serve.ranker import Ranker
+from gemjax.serve.ranker import MANIFEST, Ranker
 from gemjax.serve.requests import request_dicts
 from tests.gemjax.serve.conftest import SHAPES
+from tests.gemjax.test_config import flat_layout
 
 ROOT = pathlib.Path(__file__).parents[3]
 
@@ -43,6 +44,11 @@ def test_export_round_trip(run_dir, tmp_path):
   np.testing.assert_allclose(
     np.concatenate(exported.score(dicts)), want, rtol=1e-6, atol=1e-7
   )
+  # An export whose manifest stores the flat model layout of older code.
+  man = json.loads((out / MANIFEST).read_text())
+  man["config"] = flat_layout(man["config"])
+  (out / MANIFEST).write_text(json.dumps(man))
+  assert Ranker.from_export(out).cfg == exported.cfg
   (tmp_path / "req.json").write_text(json.dumps(dicts))
   # A process in which the model (and Flax) cannot be imported.
   code = (

@@ -2,6 +2,8 @@
 other candidates of a request, and come from a fixed set of compiled
 shapes."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from gemjax.train import step as step_lib
 from gemjax.train.checkpoint import Checkpointer
 from gemjax.train.loop import Trainer
 from tests.gemjax.serve.conftest import SHAPES, tiny_config
+from tests.gemjax.test_config import flat_layout
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -134,9 +137,13 @@ def test_large_requests_split_and_steady_traffic_never_compiles(ranker):
   assert ranker.compilations == len(ranker.buckets)
 
 
-def test_config_item_in_checkpoint_is_preferred(run_dir, ranker, tmp_path):
+@pytest.mark.parametrize("layout", ["current", "flat"])
+def test_config_item_in_checkpoint_is_preferred(
+  run_dir, ranker, tmp_path, layout
+):
   """A checkpoint that stores its config as an Orbax JSON item "config"
-  needs no run log; the item wins."""
+  needs no run log; the item wins. One stored in the flat model layout of
+  older checkpoints loads the same (`config.upgrade`)."""
   import dataclasses
 
   import orbax.checkpoint as ocp
@@ -151,6 +158,7 @@ def test_config_item_in_checkpoint_is_preferred(run_dir, ranker, tmp_path):
   marked = dataclasses.replace(
     cfg, train=dataclasses.replace(cfg.train, steps=7)
   )
+  stored = flat_layout if layout == "flat" else lambda d: d
   mgr = ocp.CheckpointManager(
     tmp_path / "run" / "checkpoints",
     options=ocp.CheckpointManagerOptions(create=True),
@@ -160,7 +168,9 @@ def test_config_item_in_checkpoint_is_preferred(run_dir, ranker, tmp_path):
     args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data=ocp.args.JsonSave(data),
-      config=ocp.args.JsonSave(config.to_dict(marked)),
+      config=ocp.args.JsonSave(
+        stored(json.loads(json.dumps(config.to_dict(marked))))
+      ),
     ),
   )
   mgr.wait_until_finished()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gemjax import config
-from gemjax.config import ModelConfig
+from gemjax.config import AttentionConfig, ModelConfig
 from gemjax.train import flops
 from gemjax.train import step as step_lib
 from gemjax.train.state import build
@@ -109,7 +109,7 @@ def test_matches_xla_cost_analysis_of_reference_forward():
     cross_layers=1,
     emb_dim=32,
     head_hidden=(64,),
-    attention_implementation="xla",
+    attention=AttentionConfig(implementation="xla"),
   )
   cfg = _cfg(
     m,

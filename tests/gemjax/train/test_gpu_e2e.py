@@ -19,8 +19,8 @@ from pallas_kernels import dispatch
 # The attention kinds a config can choose, each a different set of kernels.
 OPTIONS = {
   "softmax": [],
-  "block": ["model.seq_attention=block", "model.block_size=64"],
-  "gdpa": ["model.cand_attention=gdpa", "model.pooled_queries=4"],
+  "block": ["model.attention.seq=block", "model.attention.block_size=64"],
+  "gdpa": ["model.attention.cand=gdpa", "model.pooled_queries=4"],
 }
 # bf16 compute on both sides; the kernels accumulate in f32 like the
 # references but round P and the outputs to bf16 at other points.
