@@ -429,7 +429,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
   def quantize_first_case():
     """x quantized by its own pass, then the GEMM: the forward where the
-    GEMM does not quantize x itself (n > op.QUANTIZE_IN_GEMM_MAX_N, or
+    GEMM does not quantize x itself (n > primitives.QUANTIZE_IN_GEMM_MAX_N, or
     differentiated with an FP8 weight gradient, which keeps x's values)."""
     qw = _weight_quantizer()
     label = "ours deepseek, quantize pass + GEMM"
@@ -476,7 +476,7 @@ def bench_shape(b: Bench, m, k, n, copy_bw):
 
     b.run(f"{case} {label} bwd", bwd_case)
 
-  # ---- the kernels alone (the default configurations of op.py)
+  # ---- the kernels alone (the default configurations of primitives.py)
   kernels = [(32, (32, 32), (32, 32)), (128, (1, 128), (128, 128))]
   if QUICK:
     kernels = kernels[1:]

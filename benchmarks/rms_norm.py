@@ -44,6 +44,9 @@ from jax.experimental import pallas as pl
 from benchmarks import common
 from pallas_kernels import fp8, mosaic
 from pallas_kernels.rms_norm import mosaic_gpu as mg
+from pallas_kernels.rms_norm import mosaic_gpu_pipeline as pipe
+from pallas_kernels.rms_norm.mosaic_gpu_bwd import rms_norm_bwd
+from pallas_kernels.rms_norm.mosaic_gpu_fwd import rms_norm_fwd
 from pallas_kernels.rms_norm.reference import rms_norm_reference
 
 T = 262_144
@@ -101,16 +104,16 @@ def smem_copy(x_td, block_sizes):
   )
 
   def kernel(cfg, x_gmem, o_gmem, in_smem, out_smem, barrier):
-    mg._prologue(cfg)
+    pipe.prologue(cfg)
 
     def body(row0, load, store, carry):
       store([load(0)])
       return carry
 
-    mg._pipeline(cfg, [x_gmem], in_smem, barrier, [o_gmem], out_smem)(body, ())
+    pipe.pipeline(cfg, [x_gmem], in_smem, barrier, [o_gmem], out_smem)(body, ())
 
   sds = jax.ShapeDtypeStruct((t, d), x_td.dtype)
-  return mg._call(kernel, cfg, [sds], 1, 1, [], x_td)[0]
+  return pipe.launch(kernel, cfg, [sds], 1, 1, [], x_td)[0]
 
 
 class Case:
@@ -141,7 +144,7 @@ class Case:
   def fwd(cfg):
     def f(x, r, g):
       g = g if cfg.gamma_dtype else None
-      return mg.rms_norm_fwd(x, g, r if cfg.has_residual else None, cfg)
+      return rms_norm_fwd(x, g, r if cfg.has_residual else None, cfg)
 
     return jax.jit(f)
 
@@ -149,7 +152,7 @@ class Case:
   def bwd(cfg):
     def f(h, g, dy, dh):
       g = g if cfg.gamma_dtype else None
-      return mg.rms_norm_bwd(h, dy, dh if cfg.has_residual else None, g, cfg)
+      return rms_norm_bwd(h, dy, dh if cfg.has_residual else None, g, cfg)
 
     return jax.jit(f)
 
@@ -354,12 +357,12 @@ def measure_fp8(c: Case, copy_bw: float, records: list, variants: dict):
     cfg = mg.make_config(
       T, d, DTYPE, DTYPE, True, 1e-6, bs, INTERPRET, bwd=False, quantize=True
     )
-    return jax.jit(lambda x, r, g: mg.rms_norm_fwd(x, g, r, cfg))
+    return jax.jit(lambda x, r, g: rms_norm_fwd(x, g, r, cfg))
 
   plain = c.cfg(None, bwd=False)
 
   def unfused(x, r, g):
-    y, h = mg.rms_norm_fwd(x, g, r, plain)
+    y, h = rms_norm_fwd(x, g, r, plain)
     q = fp8.quantize(y, axis=1, implementation="mosaic")
     return y, h, q.values, q.scales
 

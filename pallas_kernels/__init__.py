@@ -3,6 +3,11 @@
 Each op has a plain-`jnp` reference beside it (`*_reference`), which is also
 the `implementation="xla"` path. This package knows nothing about models.
 
+The packed layout the jagged ops take (sequences back to back, `offsets`)
+and its padded view: `jagged_to_padded` / `jagged_from_padded` (aliases of
+`pallas_kernels.jagged.to_padded` / `from_padded`), for code that hands a
+batch to a padded op.
+
 FP8 (G4): `fp8_quantize` / `fp8_dequantize` (aliases of
 `pallas_kernels.fp8.quantize` / `dequantize`) make and undo an `Fp8Tensor`;
 `fp8_dot_general` is `lax.dot_general` in FP8 with block scales;
@@ -27,6 +32,8 @@ from pallas_kernels.fp8 import (
 from pallas_kernels.fp8 import dequantize as fp8_dequantize
 from pallas_kernels.fp8 import quantize as fp8_quantize
 from pallas_kernels.gdpa import gdpa, gdpa_reference
+from pallas_kernels.jagged import from_padded as jagged_from_padded
+from pallas_kernels.jagged import to_padded as jagged_to_padded
 from pallas_kernels.jagged_attention import (
   jagged_attention,
   jagged_attention_reference,
@@ -48,6 +55,8 @@ __all__ = [
   "fp8_quantize",
   "jagged_attention",
   "jagged_attention_reference",
+  "jagged_from_padded",
+  "jagged_to_padded",
   "rms_norm",
   "rms_norm_reference",
 ]

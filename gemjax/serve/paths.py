@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from gemjax.data.jagged import segment_ids
-from pallas_kernels.jagged_attention.reference import from_padded, to_padded
+from pallas_kernels import jagged_from_padded, jagged_to_padded
 
 PATHS = ("m_falcon", "per_candidate", "padded")
 
@@ -94,9 +94,9 @@ def padded_attention(
   if causal:
     raise ValueError("candidate attention is not causal")
   t = q_tnh.shape[0]
-  q_blnh, _ = to_padded(q_tnh, q_offsets, max_len_q)
-  k_bmkh, _ = to_padded(k_skh, kv_offsets, max_len_kv)
-  v_bmkh, _ = to_padded(v_skh, kv_offsets, max_len_kv)
+  q_blnh, _ = jagged_to_padded(q_tnh, q_offsets, max_len_q)
+  k_bmkh, _ = jagged_to_padded(k_skh, kv_offsets, max_len_kv)
+  v_bmkh, _ = jagged_to_padded(v_skh, kv_offsets, max_len_kv)
   lq = (q_offsets[1:] - q_offsets[:-1]).astype(jnp.int32)
   lk = (kv_offsets[1:] - kv_offsets[:-1]).astype(jnp.int32)
   if implementation is None:
@@ -114,7 +114,7 @@ def padded_attention(
     implementation=implementation,
   )
   o_blnh = jnp.where((lk > 0)[:, None, None, None], o_blnh, 0)
-  return from_padded(o_blnh, q_offsets, t).astype(q_tnh.dtype)
+  return jagged_from_padded(o_blnh, q_offsets, t).astype(q_tnh.dtype)
 
 
 def cross_op(path: str, chunk: int = 128):

@@ -26,11 +26,10 @@ band mask, so it costs `3 t window` scores, not `t l`.
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.jagged import from_padded, to_padded
 from pallas_kernels.jagged_attention.reference import (
   check_offsets,
   check_window,
-  from_padded,
-  to_padded,
 )
 
 BLOCKS = (32, 64, 128)

@@ -149,7 +149,7 @@ class BlockSizes:
     )
 
 
-# The configuration `op.py` uses, per scale block `kb` (H200 sweep at
+# The configuration `primitives.py` uses, per scale block `kb` (H200 sweep at
 # 16384 x 4096 x 4096, `benchmarks/fp8_matmul.py --sweep-only`): for kb =
 # 128, three compute warpgroups stacked along M (a 192 x 128 CTA tile; see
 # the module docstring), no cluster (with three warpgroups 2-CTA clusters

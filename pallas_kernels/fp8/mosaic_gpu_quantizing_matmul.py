@@ -16,7 +16,7 @@ bf16 tiles and the hand-off cost too). Its results equal
 does not bound it: clusters of CTAs along M that TMA-multicast the
 weight tile (`cluster_m`), which cut a CTA's L2 reads per 64 x 256 x 128
 step from 48 to 32 KiB, measured no faster, so the default has none.
-`op.py` uses the kernel for products with at most
+`primitives.py` uses the kernel for products with at most
 512 output columns and a 16-bit output whose quantized `a` nothing else
 reads: the forward (unless the weight gradient is FP8) and `dx = g w^T`.
 

@@ -25,11 +25,8 @@ reference gathers into a padded `[b, l]` / `[b, m]` layout (static
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.jagged_attention.reference import (
-  check_offsets,
-  from_padded,
-  to_padded,
-)
+from pallas_kernels.jagged import from_padded, to_padded
+from pallas_kernels.jagged_attention.reference import check_offsets
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 NORMALIZE = (None, "hstu")

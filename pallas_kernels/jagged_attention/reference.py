@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.jagged import from_padded, to_padded
+
 
 def check_offsets(offsets, capacity: int, name: str, max_len: int | None):
   """Host-side validation of concrete offsets; a no-op while tracing."""
@@ -60,33 +62,6 @@ def check_window(window):
     return
   if isinstance(window, bool) or not isinstance(window, int) or window < 0:
     raise ValueError(f"window must be an int >= 0 or None, got {window!r}")
-
-
-def to_padded(x_t, offsets_b, max_len: int):
-  """Packed `[t, ...]` -> (`[b, l, ...]` zero-padded, valid mask `[b, l]`)."""
-  starts = offsets_b[:-1]
-  lengths = offsets_b[1:] - starts
-  pos = jnp.arange(max_len)
-  valid_bl = pos[None, :] < lengths[:, None]
-  idx_bl = jnp.where(valid_bl, starts[:, None] + pos[None, :], 0)
-  x_bl = jnp.where(
-    valid_bl.reshape(valid_bl.shape + (1,) * (x_t.ndim - 1)), x_t[idx_bl], 0
-  )
-  return x_bl, valid_bl
-
-
-def from_padded(x_bl, offsets_b, num_rows: int):
-  """Padded `[b, l, ...]` -> packed `[num_rows, ...]`; rows past data are 0."""
-  b, max_len = x_bl.shape[:2]
-  rows = jnp.arange(num_rows)
-  # Sequence of each packed row, and the row's position inside it.
-  seq_t = jnp.clip(
-    jnp.searchsorted(offsets_b, rows, side="right") - 1, 0, b - 1
-  )
-  pos_t = rows - offsets_b[seq_t]
-  valid_t = (rows < offsets_b[-1]) & (pos_t < max_len)
-  out = x_bl[seq_t, jnp.clip(pos_t, 0, max_len - 1)]
-  return jnp.where(valid_t.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0)
 
 
 def jagged_attention_reference(

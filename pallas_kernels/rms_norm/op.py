@@ -3,9 +3,10 @@
 `rms_norm(x, gamma=None, residual=None, *, eps, quantize=None)` normalizes
 over the last axis of any `[..., d]` array (the packed `[t, d]` token buffer,
 or `[t, n, h]` for QK-norm with gamma `[h]`); with `residual` it returns
-`(y, x + residual)`. On GPU it runs the Mosaic GPU kernels of
-`mosaic_gpu.py`; elsewhere, and for shapes those kernels do not cover, the
-plain-`jnp` reference (`implementation="xla"`).
+`(y, x + residual)`. On GPU it runs the Mosaic GPU kernels
+(`mosaic_gpu_fwd.py`, `mosaic_gpu_bwd.py`, tiled by `mosaic_gpu.py`);
+elsewhere, and for shapes those kernels do not cover, the plain-`jnp`
+reference (`implementation="xla"`).
 
 `quantize` (an `Fp8Output` or a format name, G4) returns `y` as an
 `Fp8Tensor` (source `y`) for the next FP8 matmul. The Mosaic forward fuses
@@ -26,6 +27,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import dispatch, mosaic
 from pallas_kernels.fp8 import Fp8Tensor
 from pallas_kernels.rms_norm import mosaic_gpu
+from pallas_kernels.rms_norm.mosaic_gpu_bwd import rms_norm_bwd
+from pallas_kernels.rms_norm.mosaic_gpu_fwd import rms_norm_fwd
 from pallas_kernels.rms_norm.reference import (
   as_fp8_output,
   quantize_output,
@@ -61,14 +64,14 @@ def _config(x_td, gamma, residual, static: _Static, *, bwd: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _rms_norm_td(x_td, gamma_d, residual_td, static: _Static):
-  """`(y, [h], [q, s])`: always a tuple (see `mosaic_gpu.rms_norm_fwd`)."""
+  """`(y, [h], [q, s])`: always a tuple (see `mosaic_gpu_fwd.rms_norm_fwd`)."""
   out, _ = _fwd(x_td, gamma_d, residual_td, static)
   return out
 
 
 def _fwd(x_td, gamma_d, residual_td, static: _Static):
   cfg = _config(x_td, gamma_d, residual_td, static, bwd=False)
-  outs = mosaic_gpu.rms_norm_fwd(x_td, gamma_d, residual_td, cfg)
+  outs = rms_norm_fwd(x_td, gamma_d, residual_td, cfg)
   # Without a residual, h is x.
   h = outs[1] if static.has_residual else x_td
   return tuple(outs), (h, gamma_d)
@@ -81,7 +84,7 @@ def _bwd(static: _Static, res, ct):
   dy = ct[0]
   dh_out = ct[1] if static.has_residual else None
   cfg = _config(h_td, gamma_d, dh_out, static, bwd=True)
-  dh, dgamma = mosaic_gpu.rms_norm_bwd(h_td, dy, dh_out, gamma_d, cfg)
+  dh, dgamma = rms_norm_bwd(h_td, dy, dh_out, gamma_d, cfg)
   if dgamma is not None:
     dgamma = dgamma.astype(gamma_d.dtype)
   # h = x + residual, so both receive dh: one array, returned twice.

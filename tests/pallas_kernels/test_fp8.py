@@ -34,6 +34,7 @@ from pallas_kernels.fp8 import (
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
   mosaic_gpu_transpose_quantize,
+  primitives,
 )
 from pallas_kernels.fp8 import op as fp8_op
 from pallas_kernels.fp8 import reference as ref
@@ -576,8 +577,8 @@ def _spy(monkeypatch, module, name, note):
 
 
 def _forget_traces():
-  fp8_op._matmul_kernel_fn.cache_clear()
-  fp8_op._transpose_quantize_fn.cache_clear()
+  primitives._matmul_kernel_fn.cache_clear()
+  primitives._transpose_quantize_fn.cache_clear()
   jax.clear_caches()
 
 
@@ -723,7 +724,7 @@ _B, _D = mosaic_gpu_matmul.BlockSizes, mosaic_gpu_matmul.Dim
     # program's tiles are chained (the next tile's fetches start early).
     (128, (1, 128), (128, 128), _B(max_concurrent_steps=2), 512),
     (32, (32, 32), (32, 32), _B(max_concurrent_steps=2), 256),
-    # op.py's default for this test's f32 output: 192 x 128 CTA tiles of
+    # primitives.py's default for this test's f32 output: 192 x 128 CTA tiles of
     # three warpgroups, weight scale folded into the row scales, 3 stages;
     # the 256 rows are one row tile and one overlapping it (`row_start`).
     (
@@ -1160,8 +1161,8 @@ def test_gpu_split_k_matmul(m, n, k):
   b = _data(jax.random.key(61), (n, k), jnp.bfloat16)
   av, as_ = ref.quantize_reference(a, block=(1, 128))
   bv, bs_ = ref.quantize_reference(b, block=(1, 128))
-  # The tile and runs op.py takes (`split_k_plan`; per-row scales on both
-  # sides), and the default tile.
+  # The tile and runs primitives.py takes (`split_k_plan`; per-row scales
+  # on both sides), and the default tile.
   plan_bs, plan_splits = mosaic_gpu_matmul.split_k_plan(
     m, n, k, 128, uniform=False
   )
