@@ -27,6 +27,7 @@ SEQ_ATTENTION = ("softmax", "block", "sliding")
 CAND_ATTENTION = ("softmax", "gdpa")
 GDPA_ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 DTYPES = ("float32", "bfloat16", "float16")
+SAVED_ACTIVATIONS = ("compute", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,11 @@ class ModelConfig:
   # `region=policy`, e.g. ("seq=nothing", "heads=dots"); unnamed regions
   # save everything. `train.activation_budget_gb` fills in the rest.
   remat: tuple[str, ...] = ()
+  # G9: what the dense layers keep of their inputs for the backward (and
+  # SwiGLU of its gate and up outputs), in regions that keep activations
+  # (remat policy `all`): "compute" (the compute dtype) or "fp8" (e4m3 in
+  # 1x128 blocks, about half of bf16; `gemjax.model.layers`).
+  saved_activations: str = "compute"
 
   def __post_init__(self):
     c = checker(self, "model")
@@ -153,6 +159,11 @@ class ModelConfig:
     c("sliding_window", self.sliding_window >= 1, ">= 1")
     c("pooled_queries", self.pooled_queries >= 0, ">= 0")
     c("fp8", self.fp8 in FP8_FORMATS, f"one of {FP8_FORMATS}")
+    c(
+      "saved_activations",
+      self.saved_activations in SAVED_ACTIVATIONS,
+      f"one of {SAVED_ACTIVATIONS}",
+    )
     c(
       "fp8_layers",
       set(self.fp8_layers) <= set(FP8_LAYER_FAMILIES),
