@@ -180,13 +180,22 @@ def _saved_layout(t: Fp8Tensor) -> bool:
 
 
 def _e8m0(scales):
-  """Power-of-two scales in one byte each (exact: 2^-127..2^127)."""
-  return scales.astype(jnp.float8_e8m0fnu)
+  """Power-of-two f32 scales as one byte each, their exponent field (E8M0;
+  exact: the scales are normal, 2^-126 and up). Integer bit operations,
+  which every backend compiles, rather than the float8_e8m0fnu dtype."""
+  bits = jax.lax.bitcast_convert_type(scales, jnp.int32)
+  return jax.lax.shift_right_logical(bits, 23).astype(jnp.uint8)
+
+
+def _from_e8m0(exponents):
+  """`_e8m0`'s bytes back to the f32 scales."""
+  bits = jax.lax.shift_left(exponents.astype(jnp.int32), 23)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _restore(values, scales_e8m0, dtype):
   """`quantize_saved`'s values and E8M0 scales dequantized to `dtype`."""
-  t = Fp8Tensor(values=values, scales=scales_e8m0.astype(jnp.float32),
+  t = Fp8Tensor(values=values, scales=_from_e8m0(scales_e8m0),
                 source=None, shape=values.shape, axis=values.ndim - 1,
                 block=SAVED_BLOCK, hadamard=None, hadamard_seed=0,
                 dtype=jnp.dtype(dtype))  # fmt: skip
