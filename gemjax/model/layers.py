@@ -202,18 +202,18 @@ def _restore(values, scales_e8m0, dtype):
   return pallas_kernels.fp8_dequantize(t, dtype)
 
 
-@jax.custom_vjp
-def _matmul8(x, w, values, scales):
-  del values, scales
-  return jnp.einsum("...i,io->...o", x, w)
-
-
 def _when(g, *arrays):
   """`arrays`, the kept 8-bit copies, read no earlier than `g` (the
   backward's cotangent): without the barrier XLA may dequantize them in
   the forward and keep the wide copy alive until the backward instead
   (XLA:CPU did: a SwiGLU stack kept more than in bf16)."""
   return jax.lax.optimization_barrier((g, *arrays))
+
+
+@jax.custom_vjp
+def _matmul8(x, w, values, scales):
+  del values, scales
+  return jnp.einsum("...i,io->...o", x, w)
 
 
 def _matmul8_fwd(x, w, values, scales):
@@ -227,6 +227,9 @@ def _matmul8_bwd(res, g):
   x8 = _restore(values, scales, w.dtype)
   dx = jnp.einsum("...o,io->...i", g, w)
   return dx, _weight_grad(x8, g, w), None, None
+
+
+_matmul8.defvjp(_matmul8_fwd, _matmul8_bwd)
 
 
 @jax.custom_batching.custom_vmap
@@ -251,9 +254,6 @@ def _weight_grad_vmap(axis_size, in_batched, x, g, w):
   if w_b:  # a weight per batch entry: a gradient per entry
     return jax.vmap(lambda x, g: jnp.einsum("...i,...o->io", x, g))(x, g), True
   return jnp.einsum("...i,...o->io", x, g), False
-
-
-_matmul8.defvjp(_matmul8_fwd, _matmul8_bwd)
 
 
 def matmul_saved8(xq: Fp8Tensor, w, dtype):
