@@ -15,6 +15,8 @@ backward, optimizer) of the same parameters on the same requests:
 - `ours`: the library's step (`Trainer.train_step`): jagged batches, our
   kernels, the config as shipped.
 - `fp8`: `ours` with `model.fp8.format=deepseek` (G4).
+- `act8`: `ours` with `model.saved_activations=fp8`: the activations kept
+  for the backward in 8 bits (G9).
 - `batchNx`: `ours` on N times the requests per step (N consecutive
   batches of the same traffic packed into one, capacities N times larger).
 - `remat-<policy>`: `ours` with every region checkpointed by `policy`
@@ -286,8 +288,8 @@ class Variant:
 
 def variant_config(base, name):
   """(config, requests-per-step factor) of a variant name: `padded`,
-  `ours`, or knobs joined by `+`: `fp8`, `batch<N>x`, `remat-<policy>`
-  (every region, `gemjax.model.remat`), `budget<GB>` (a
+  `ours`, or knobs joined by `+`: `fp8`, `act8`, `batch<N>x`,
+  `remat-<policy>` (every region, `gemjax.model.remat`), `budget<GB>` (a
   `train.activation_budget_gb`)."""
   if name in ("ours", "padded"):
     return base, 1
@@ -297,6 +299,8 @@ def variant_config(base, name):
     budget = re.fullmatch(r"budget([\d.]+)", knob)
     if knob == "fp8":
       cfg = config_lib.apply_overrides(cfg, ["model.fp8.format=deepseek"])
+    elif knob == "act8":
+      cfg = config_lib.apply_overrides(cfg, ["model.saved_activations=fp8"])
     elif knob.startswith("remat-"):
       policy = knob.removeprefix("remat-")
       entries = ",".join(f"{r}={policy}" for r in regions)
@@ -319,7 +323,7 @@ def variant_config(base, name):
       )
     else:
       raise ValueError(
-        f"unknown variant knob {knob!r} in {name!r}: fp8, batch<N>x, "
+        f"unknown variant knob {knob!r} in {name!r}: fp8, act8, batch<N>x, "
         "remat-<policy>, budget<GB> (or the variants padded, ours)"
       )
   return cfg, factor
@@ -582,7 +586,9 @@ def cublas_peak() -> float:
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--config", default="onetrans_v31")
+  ap.add_argument(
+    "--config", default=None, help="default onetrans_v31 (--smoke: smoke)"
+  )
   ap.add_argument("--set", action="append", default=[], help="KEY=VALUE")
   ap.add_argument("--variants", default=None)
   ap.add_argument("--rounds", type=int, default=5)
@@ -594,7 +600,9 @@ def main():
   smoke = args.smoke
   if smoke:
     common.TIMING.update(iters=1, repeats=1, rounds=1)
-    args.config, args.rounds, args.calls = "smoke", 1, 1
+    # Any config, shrunk to CPU size (its model family and options kept).
+    args.config = args.config or "smoke"
+    args.rounds, args.calls = 1, 1
     args.set = [
       "model.d_model=32",
       "model.num_layers=1",
@@ -607,14 +615,19 @@ def main():
       "data.token_capacity=160",
       "data.cand_capacity=48",
       "data.max_cands=8",
+      "data.num_items=5000",
+      "data.num_categories=100",
       *args.set,
     ]
+  args.config = args.config or "onetrans_v31"
   names = (args.variants or ("padded,ours" if smoke else DEFAULT)).split(",")
   base = config_lib.load(args.config, args.set)
   base = dataclasses.replace(
     base,
     data=dataclasses.replace(base.data, workers=0, prefetch=0),
     train=dataclasses.replace(base.train, progress=False),
+    # One device, whatever mesh the config was written for.
+    mesh=dataclasses.replace(base.mesh, cluster=1, zone=1, node=-1),
   )
   kind = common.device_name()
   print(f"jax {jax.__version__}, {kind}, config {args.config}", flush=True)

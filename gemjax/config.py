@@ -47,6 +47,7 @@ Fp8Format = typing.Literal["off", "deepseek", "mxfp8"]
 Fp8Family = typing.Literal["attn", "ffn", "input", "heads"]
 SeqAttention = typing.Literal["softmax", "block", "sliding"]
 CandAttention = typing.Literal["softmax", "gdpa"]
+SavedActivations = typing.Literal["compute", "fp8"]
 GdpaActivation = typing.Literal["gelu", "gelu_tanh", "silu"]
 
 
@@ -212,6 +213,11 @@ class ModelConfig:
   # `region=policy`, e.g. ("seq=nothing", "heads=dots"); unnamed regions
   # save everything. `train.activation_budget_gb` fills in the rest.
   remat: tuple[str, ...] = ()
+  # G9: what the dense layers keep of their inputs for the backward (and
+  # SwiGLU of its gate and up outputs), in regions that keep activations
+  # (remat policy `all`): "compute" (the compute dtype) or "fp8" (e4m3 in
+  # 1x128 blocks, about half of bf16; `gemjax.model.layers`).
+  saved_activations: SavedActivations = "compute"
 
   def __post_init__(self):
     c = check_choices(self, "model")

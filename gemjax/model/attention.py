@@ -22,6 +22,9 @@ the seed's intermediate step: the jagged kernel's `window`). "block" and
 FP8 (G4, `fp8=` settings): the Q/K/V/O projections are `Fp8Dense`; `x_q`
 and `x_kv` may then be `Fp8Tensor`s from a quantizing norm (quantized once,
 read by all three input projections).
+8-bit saved activations (G9, `save8`): Q, K and V keep one 8-bit copy of
+their input for their weight gradients; O keeps its input as it is, since
+the attention kernel keeps that same output for its own backward.
 """
 
 import jax.numpy as jnp
@@ -63,6 +66,7 @@ class Attention(nnx.Module):
     window: int = 64,
     activation: str = "gelu_tanh",
     normalize: str | None = None,
+    save8: bool = False,
   ):
     if kind not in KINDS:
       raise ValueError(f"attention kind {kind!r}: one of {KINDS}")
@@ -75,12 +79,13 @@ class Attention(nnx.Module):
       )
     self.n, self.k, self.h = num_heads, num_kv_heads, head_dim
     kw = dict(rngs=rngs, dtype=dtype, fp8=fp8)
-    self.q = dense(d_model, num_heads * head_dim, ("embed", "heads"), **kw)
+    qkv = dict(kw, save8=save8)
+    self.q = dense(d_model, num_heads * head_dim, ("embed", "heads"), **qkv)
     self.k_proj = dense(
-      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw
+      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **qkv
     )
     self.v_proj = dense(
-      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw
+      d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **qkv
     )
     self.o = dense(num_heads * head_dim, d_model, ("heads", "embed"), **kw)
     self.q_norm = RMSNorm(head_dim, "head_dim") if qk_norm else None
@@ -109,6 +114,10 @@ class Attention(nnx.Module):
     padded paths with M-Falcon through it, same weights, same projections).
     """
     t, s = x_q.shape[0], x_kv.shape[0]
+    # One 8-bit copy of each input for the projections that read it.
+    same = x_q is x_kv
+    x_kv = self.k_proj.saved_input(x_kv)
+    x_q = x_kv if same else self.q.saved_input(x_q)
     q_tnh = self.q(x_q).reshape(t, self.n, self.h)
     k_skh = self.k_proj(x_kv).reshape(s, self.k, self.h)
     v_skh = self.v_proj(x_kv).reshape(s, self.k, self.h)

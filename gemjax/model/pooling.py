@@ -31,8 +31,11 @@ class PooledAttention(nnx.Module):
     self.p, self.n, self.kh, self.h = p, n, kh, h
     self.queries = param(rngs, (p, n * h), ("pooled_queries", "heads"))
     kw = dict(rngs=rngs, dtype=dtype)
-    self.k_proj = dense(cfg.d_model, kh * h, ("embed", "kv_heads"), **kw)
-    self.v_proj = dense(cfg.d_model, kh * h, ("embed", "kv_heads"), **kw)
+    # 8-bit saved inputs (G9) for K and V; O's input, the GDPA output, is
+    # kept by the GDPA kernel anyway.
+    kv = dict(kw, save8=cfg.saved_activations == "fp8")
+    self.k_proj = dense(cfg.d_model, kh * h, ("embed", "kv_heads"), **kv)
+    self.v_proj = dense(cfg.d_model, kh * h, ("embed", "kv_heads"), **kv)
     self.o = dense(p * n * h, cfg.d_model, ("heads", "embed"), **kw)
     self.q_norm = RMSNorm(h, "head_dim") if cfg.qk_norm else None
     self.k_norm = RMSNorm(h, "head_dim") if cfg.qk_norm else None
@@ -45,6 +48,7 @@ class PooledAttention(nnx.Module):
     t = seq_td.shape[0]
     b = offsets_b.shape[0] - 1
     q_pnh = self.queries[...].astype(self.dtype).reshape(self.p, self.n, self.h)
+    seq_td = self.k_proj.saved_input(seq_td)  # one 8-bit copy for K and V
     k_tkh = self.k_proj(seq_td).reshape(t, self.kh, self.h)
     v_tkh = self.v_proj(seq_td).reshape(t, self.kh, self.h)
     if self.q_norm is not None:

@@ -25,6 +25,12 @@ FP8 (G4, `cfg.fp8`, an `Fp8Config`): which layers run in FP8 is decided by
 `layers.fp8_for`; the cross blocks count after the SeqFormer blocks in the
 depth, the input projections are family "input", the bottom MLP "heads";
 the task towers always stay f32.
+
+8-bit saved activations (G9, `cfg.saved_activations="fp8"`): the input
+projections, the blocks' Q/K/V and SwiGLU, and the bottom MLP keep their
+inputs for the backward in 8 bits (`layers`); the DHEN experts (on
+candidates, a small share of the activations) and the f32 towers keep
+theirs as they are.
 """
 
 import jax
@@ -71,6 +77,7 @@ class Heads(nnx.Module):
     rngs,
     dtype,
     fp8=None,
+    save8: bool = False,
   ):
     dims = (d_in, *hidden)
     self.bottom = nnx.List(
@@ -83,6 +90,7 @@ class Heads(nnx.Module):
           use_bias=True,
           dtype=dtype,
           fp8=fp8,
+          save8=save8,
         )
         for a, b in zip(dims[:-1], dims[1:], strict=True)
       ]
@@ -120,6 +128,7 @@ class RankingModel(nnx.Module):
     self.cfg = cfg
     self.embeddings = Embeddings(vocab_sizes, e, rngs=rngs)
     input_fp8 = fp8_for(cfg, "input")
+    save8 = cfg.saved_activations == "fp8"
     self.token_proj = dense(
       len(SEQ_FEATURES) * e,
       cfg.d_model,
@@ -127,6 +136,7 @@ class RankingModel(nnx.Module):
       rngs=rngs,
       dtype=dtype,
       fp8=input_fp8,
+      save8=save8,
     )
     self.seqformer = SeqFormer(cfg, rngs=rngs, dtype=dtype)
     self.cand_proj = dense(
@@ -136,6 +146,7 @@ class RankingModel(nnx.Module):
       rngs=rngs,
       dtype=dtype,
       fp8=input_fp8,
+      save8=save8,
     )
     self.dense_proj = dense(
       max(num_dense, 1),
@@ -145,6 +156,7 @@ class RankingModel(nnx.Module):
       use_bias=True,
       dtype=dtype,
       fp8=input_fp8,
+      save8=save8,
     )
     self.cross = nnx.List(
       [
@@ -162,6 +174,7 @@ class RankingModel(nnx.Module):
       rngs=rngs,
       dtype=dtype,
       fp8=fp8_for(cfg, "heads"),
+      save8=save8,
     )
     self.num_dense = num_dense
     # G2 pooled attention: learned queries summarize the history (optional).
@@ -260,6 +273,8 @@ class RankingModel(nnx.Module):
     c_cd = (self.cand_proj(cand_emb) + user_bd[req_c]).astype(dtype)
 
     def cross(c_cd, seq_td):
+      if self.cross:  # one 8-bit copy of the history for every block's K/V
+        seq_td = self.cross[0].attn.k_proj.saved_input(seq_td)
       for blk in self.cross:
         c_cd = blk(
           c_cd,

@@ -19,9 +19,20 @@ Each takes one policy (`ModelConfig.remat`, entries `region=policy`; a
   region's forward runs again in the backward pass.
 The values are identical either way (tested); only memory and time move.
 `gemjax.train.remat` chooses the policies under a memory budget.
+
+8-bit saved activations (`ModelConfig.saved_activations="fp8"`) apply to
+what a region keeps across the step, so to `all` regions only: a region
+under `dots` or `nothing` is traced inside `layers.recomputed_region`,
+where the layers keep their inputs as they are (recomputed in the
+backward, or, under `dots`, read from saved matmul outputs in the compute
+dtype), the numbers of a run without 8-bit saving.
 """
 
+import functools
+
 import jax
+
+from gemjax.model import layers
 
 POLICIES = ("all", "dots", "nothing")
 _JAX_POLICY = {
@@ -64,4 +75,10 @@ def checkpoint(fn, name: str):
   """`fn` under the policy `name` (`all`: `fn` itself)."""
   if name == "all":
     return fn
-  return jax.checkpoint(fn, policy=_JAX_POLICY[name])
+
+  @functools.wraps(fn)
+  def recomputed(*args, **kwargs):
+    with layers.recomputed_region():
+      return fn(*args, **kwargs)
+
+  return jax.checkpoint(recomputed, policy=_JAX_POLICY[name])

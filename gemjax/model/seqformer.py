@@ -42,6 +42,7 @@ class Block(nnx.Module):
   ):
     attn_fp8 = fp8_for(cfg, "attn", index)
     ffn_fp8 = fp8_for(cfg, "ffn", index)
+    save8 = cfg.saved_activations == "fp8"
     self.attn_norm = RMSNorm(cfg.d_model, "embed", quantize=attn_fp8)
     self.attn = Attention(
       cfg.d_model,
@@ -53,6 +54,7 @@ class Block(nnx.Module):
       dtype=dtype,
       implementation=cfg.attention.implementation,
       fp8=attn_fp8,
+      save8=save8,
       **attention_options(cfg, stage),
     )
     self.ffn_norm = RMSNorm(cfg.d_model, "embed", quantize=ffn_fp8)
@@ -62,6 +64,7 @@ class Block(nnx.Module):
       rngs=rngs,
       dtype=dtype,
       fp8=ffn_fp8,
+      save8=save8,
     )
 
 

@@ -12,7 +12,10 @@ The estimates are per data shard from the config (capacities, not a
 batch), times the shards each device runs (`mesh.data_shards` over the
 devices, at least 1). Bytes: what each policy saves of a region, in the
 compute dtype (the attention kernels' f32 row statistics aside), with a
-region's inputs counted under every policy. FLOPs: the forward work the
+region's inputs counted under every policy; with
+`model.saved_activations="fp8"`, what `all` keeps of the dense layers'
+inputs and SwiGLU's gate and up outputs at 1 + 1/128 bytes a value (e4m3
+and a one-byte scale per 128). FLOPs: the forward work the
 backward redoes (`dots`: attention and the elementwise work, counted as
 the attention's FLOPs; `nothing`: the region's whole forward), using the
 traffic's mean history length for attention.
@@ -34,6 +37,8 @@ def estimates(cfg) -> dict:
   """`{region: {policy: (saved bytes, recompute FLOPs)}}` per device."""
   m, d_cfg = cfg.model, cfg.data
   b = np.dtype(m.dtype).itemsize
+  # Bytes a value of what 8-bit saving stores (`all` regions only).
+  b8 = 1 + 1 / 128 if m.saved_activations == "fp8" else b
   t, c = d_cfg.token_capacity, d_cfg.cand_capacity
   d, n, k, h = m.d_model, m.num_heads, m.num_kv_heads, m.attn_head_dim
   f, e = swiglu_hidden(d, m.ffn_mult), m.emb_dim
@@ -47,10 +52,13 @@ def estimates(cfg) -> dict:
     inputs = 2 * rows * d * b
     dots = (rows * (n * h + 2 * d + 2 * f) + kv_rows * 2 * k * h) * b
     rest = rows * (2 * d + 2 * n * h + f) * b + rows * n * 4
+    # The norms' outputs (Q/K/V and gate/up inputs), gate, up and the
+    # down projection's input, kept in 8 bits under `all`.
+    eight = rows * (2 * d + 3 * f) * (b - b8)
     return {
       "nothing": (inputs, dense + attn_flops),
       "dots": (inputs + dots, attn_flops),
-      "all": (inputs + dots + rest, 0.0),
+      "all": (inputs + dots + rest - eight, 0.0),
     }
 
   out = {}
@@ -65,14 +73,15 @@ def estimates(cfg) -> dict:
   out["input"] = {
     "nothing": (0, proj),
     "dots": (t * d * b, 0.0),
-    "all": (t * (len(SEQ_FEATURES) * e + 2 * d) * b, 0.0),
+    "all": (t * (len(SEQ_FEATURES) * e * b8 + 2 * d * b), 0.0),
   }
   dims = (2 * d + e, *m.head_hidden)
   head_flops = 2 * c * sum(a * z for a, z in zip(dims, dims[1:]))
   out["heads"] = {
     "nothing": (c * dims[0] * b, head_flops),
     "dots": (c * (dims[0] + sum(dims[1:])) * b, 0.0),
-    "all": (c * (dims[0] + 2 * sum(dims[1:])) * b, 0.0),
+    # The bottom MLP's inputs (all but the towers') in 8 bits under `all`.
+    "all": (c * (sum(dims[:-1]) * b8 + (dims[-1] + sum(dims[1:])) * b), 0.0),
   }
   return {
     r: {p: (v[0] * shards, v[1] * shards) for p, v in pol.items()}

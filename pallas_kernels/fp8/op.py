@@ -22,7 +22,11 @@ reads the lhs as the caller passed it (its `source` for an `Fp8Tensor`),
 which the backward keeps instead of the quantized lhs: it carries no
 activation quantization error, needs no dequantize pass (on the H200 that
 pass cost more than the FP8 product saved at 65536 x 2048 x 512), and
-keeps what a BF16 layer keeps. With a Hadamard transform the FP8
+keeps what a BF16 layer keeps. `keep_fp8_lhs` trades that for memory:
+the backward keeps the lhs's FP8 values and scales instead (about half the
+bytes of a bf16 lhs, for activations kept across a training step) and
+dequantizes them for the BF16 weight gradient, which then carries the
+activation's quantization error. With a Hadamard transform the FP8
 gradients are rotated back (`d x = d(x M) M^T`).
 
 Operands may be raw arrays (quantized here) or `Fp8Tensor`s from `quantize`
@@ -188,6 +192,8 @@ class _Cfg:
   # The rhs contracts a dimension other than its last: `b` (contraction
   # last) is a transpose of it, and so is its gradient.
   b_transposed: bool = False
+  # The backward keeps the quantized lhs, not its source, for a BF16 dW.
+  keep_fp8_lhs: bool = False
 
 
 def _hadamard_undo(x, cfg):
@@ -235,10 +241,11 @@ def _quantize_a(cfg, a_src):
 def _mm_fwd(a_v, a_s, a_src, b_v, b_s, b_src, key, cfg):
   # The lhs residual: none without a weight gradient; the lhs as passed
   # for the BF16 one (see `_mm_bwd`); its values and scales for the FP8
-  # one (or where it came without a source), quantized first then (a
-  # product that quantizes `a` itself returns none).
+  # one, with `keep_fp8_lhs` or where it came without a source, quantized
+  # first then (a product that quantizes `a` itself returns none).
   a_res = (None, None, None)
-  if cfg.grad_rhs and not cfg.grad_rhs_fp8 and a_src is not None:
+  keep_src = not (cfg.grad_rhs_fp8 or cfg.keep_fp8_lhs)
+  if cfg.grad_rhs and keep_src and a_src is not None:
     a_res = (None, None, a_src)
   elif cfg.grad_rhs:
     if a_v is None:
@@ -394,6 +401,7 @@ def fp8_dot_general(
   hadamard: int | None = None,
   hadamard_seed: int = 0,
   grad_rhs_fp8: bool = False,
+  keep_fp8_lhs: bool = False,
   key=None,
   implementation: str | None = None,
 ):
@@ -409,6 +417,9 @@ def fp8_dot_general(
       `format` also sets the output gradient's blocks.
     grad_rhs_fp8: compute the rhs (weight) gradient in FP8 too; default
       BF16, as the seed keeps weight gradients in BF16.
+    keep_fp8_lhs: for a BF16 weight gradient, keep the quantized lhs
+      (dequantized in the backward) instead of its source: less memory,
+      the lhs's quantization error in the weight gradient.
     key: PRNG key for stochastic rounding of the output gradient.
     implementation: None, "xla" or "mosaic".
   """
@@ -425,6 +436,7 @@ def fp8_dot_general(
     hadamard=hadamard,
     hadamard_seed=hadamard_seed,
     grad_rhs_fp8=grad_rhs_fp8,
+    keep_fp8_lhs=keep_fp8_lhs,
     key=key,
     implementation=implementation,
   )
@@ -468,6 +480,7 @@ def _dot_unbatched(
   hadamard,
   hadamard_seed,
   grad_rhs_fp8,
+  keep_fp8_lhs,
   key,
   implementation,
 ):
@@ -517,6 +530,7 @@ def _dot_unbatched(
     grad_lhs=lhs.source is not None,
     grad_rhs=rhs.source is not None,
     b_transposed=rhs.axis != len(rhs.shape) - 1,
+    keep_fp8_lhs=keep_fp8_lhs,
   )
   a_v, a_s, a_src = _as_matrix(lhs)
   b_v, b_s, b_src = _as_matrix(rhs)

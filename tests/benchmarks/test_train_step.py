@@ -72,3 +72,15 @@ def test_smoke_run_padded_equals_ours(tmp_path):
   for impl in ("padded", "ours"):
     assert got[impl, "step_ms"] > 0 and got[impl, "tokens_per_s"] > 0
     assert (impl, "local_mfu") not in got  # no peak on CPU
+
+
+def test_variant_knobs_combine():
+  base = config.load("smoke")
+  cfg, factor = train_step.variant_config(base, "batch4x+act8+fp8+budget2.5")
+  assert factor == 4
+  assert cfg.data.requests_per_shard == 4 * base.data.requests_per_shard
+  assert cfg.model.saved_activations == "fp8"
+  assert cfg.model.fp8.format == "deepseek"
+  assert cfg.train.activation_budget_gb == 2.5
+  with pytest.raises(ValueError, match="act8"):
+    train_step.variant_config(base, "act16")

@@ -387,6 +387,44 @@ def test_dot_gradients(format, grad_rhs_fp8, hadamard):
     assert rel(dw, dw_exact) < 0.01  # bf16 inputs only: no FP8 error
 
 
+@pytest.mark.parametrize("hadamard", [None, 32])
+def test_keep_fp8_lhs_keeps_8_bits_for_the_bf16_weight_gradient(hadamard):
+  """`keep_fp8_lhs`: the backward keeps the lhs's e4m3 values and scales
+  instead of its bf16 source (about half the bytes), same output and dX,
+  and dW is `g^T` times the dequantized lhs (its quantization error,
+  rotated back when a Hadamard transform is on)."""
+  m, k, n = 48, 256, 40
+  x = _data(jax.random.key(23), (m, k), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(24), (k, n), spread=1.0)
+  g = _data(jax.random.key(25), (m, n), spread=1.0)
+  kw = dict(hadamard=hadamard, implementation="xla")
+  f = lambda keep: functools.partial(
+    fp8.fp8_dot_general, dimension_numbers=DN, keep_fp8_lhs=keep,
+    preferred_element_type=jnp.float32, **kw,
+  )  # fmt: skip
+  out, (dx, dw) = _grads(f(False), x, w, g)
+  out8, (dx8, dw8) = _grads(f(True), x, w, g)
+  np.testing.assert_array_equal(out8, out)
+  np.testing.assert_array_equal(dx8, dx)
+
+  def kept(keep):
+    res = jax.eval_shape(lambda x, w: jax.vjp(f(keep), x, w)[1], x, w)
+    return {(r.shape, r.dtype.name) for r in jax.tree.leaves(res)}
+
+  assert ((m, k), "bfloat16") in kept(False) - kept(True)
+  assert ((m, k), "float8_e4m3fn") in kept(True) - kept(False)
+  xq = fp8.quantize(x, **kw)
+  x8 = fp8.dequantize(xq, jnp.float32)  # Hadamard undone
+  bf = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+  dw_want = jnp.dot(x8.T, bf(g), precision=HI)
+  np.testing.assert_allclose(
+    dw8, dw_want, rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(dw_want)))
+  )
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(dw8, dw_want) < 2.0**-7  # bf16 operand rounding only
+  assert 0.005 < rel(dw8, dw) < 2.5 * fmt.RN_REL_ERR  # e4m3's rounding
+
+
 def test_prequantized_weight_routes_its_gradient_to_the_source():
   x = _data(jax.random.key(20), (32, 64))
   w = _data(jax.random.key(21), (64, 16))
