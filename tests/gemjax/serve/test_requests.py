@@ -4,13 +4,15 @@ the binary column form reads as the lists do and passes the same checks,
 and the orjson and Python json paths give the same answers."""
 
 import base64
+import binascii
+import functools
 import json
 
 import numpy as np
 import pytest
 
 from gemjax.data.config import ACTION_ID
-from gemjax.serve import http
+from gemjax.serve import http, requests
 from gemjax.serve.requests import (
   BINARY,
   CANDIDATES,
@@ -90,6 +92,21 @@ def test_bad_entry_is_named(path, value, field):
   assert e.value.field == f"requests[0].{field}"
 
 
+@pytest.fixture(params=["pybase64", "binascii"])
+def b64(request, monkeypatch):
+  """Both base64 decoders of `requests`: pybase64 when installed, and
+  binascii's."""
+  if request.param == "pybase64":
+    pytest.importorskip("pybase64")
+  else:
+    monkeypatch.setattr(
+      requests,
+      "_b64decode",
+      functools.partial(binascii.a2b_base64, strict_mode=True),
+    )
+  return request.param
+
+
 def binary(r):
   """`r` with every history and candidate column in the binary form."""
   r = dict(r)
@@ -102,7 +119,7 @@ def _ids(vals, name):
   return [ACTION_ID.get(a, a) for a in vals] if name == "action" else vals
 
 
-def test_binary_columns_read_as_the_lists():
+def test_binary_columns_read_as_the_lists(b64):
   want = parse_request(request(), DATA, DATA.num_dense)
   for r in (binary(request()), _mixed()):
     got = parse_request(r, DATA, DATA.num_dense)
@@ -133,6 +150,10 @@ def _raw(arr, dtype):
     ("candidates", "category", None, "candidates.category"),  # missing
     ("candidates", "item", 5, "candidates.item"),  # neither list nor string
     ("candidates", "item", "not base64!", "candidates.item"),
+    ("candidates", "item", "BQAAAA", "candidates.item"),  # no padding
+    ("candidates", "item", "BQAAAA==BQAAAA==", "candidates.item"),
+    ("candidates", "item", "BQAAAA\n", "candidates.item"),
+    ("candidates", "item", "BQAAAé==", "candidates.item"),
     ("candidates", "item", _raw([5, 6, 7], "u1"), "candidates.item"),  # 3 B
     ("candidates", "price", _raw([1.0], "<f4"), "candidates.price"),  # length
     ("candidates", "item", _raw([5, -6], "<i4"), "candidates.item[1]"),
@@ -158,7 +179,7 @@ def _raw(arr, dtype):
     ("history", "action", _raw([0, -1, 2, 0], "<i1"), "history.action[1]"),
   ],
 )
-def test_bad_binary_column_is_named(part, name, value, field):
+def test_bad_binary_column_is_named(part, name, value, field, b64):
   r = binary(request())
   if value is None:
     del r[part][name]
