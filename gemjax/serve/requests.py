@@ -140,12 +140,13 @@ def _binary(text: str, name: str, field: str) -> np.ndarray:
 
 def encode_column(values, name: str) -> str:
   """A column's binary form (base64 of its `BINARY` dtype): the client's
-  side of `_binary`. Values that the dtype cannot hold exactly raise."""
+  side of `_binary`. Prices are rounded to float32 as the list form's are;
+  an integer that the column's dtype cannot hold raises (it would wrap)."""
   dtype = BINARY[name]
   arr = np.asarray(values)
   with np.errstate(all="ignore"):  # a value out of range: refused below
     out = arr.astype(dtype)
-  if arr.size and not np.array_equal(out, arr, equal_nan=dtype.kind == "f"):
+  if dtype.kind == "i" and arr.size and not np.array_equal(out, arr):
     raise ValueError(f"{name}: values do not fit {dtype.name}")
   return base64.b64encode(out.tobytes()).decode("ascii")
 

@@ -204,7 +204,8 @@ def test_binary_empty_candidates_and_history():
 
 def test_encode_column_refuses_what_its_dtype_cannot_hold():
   assert encode_column([1, 2], "item") == _raw([1, 2], BINARY["item"])
-  for vals, name in (([2**31], "item"), ([1.5], "item"), ([1e300], "price")):
+  assert encode_column([21.7], "price") == _raw([21.7], "<f4")
+  for vals, name in (([2**31], "item"), ([1.5], "ts"), ([128], "action")):
     with pytest.raises(ValueError, match=name):
       encode_column(vals, name)
 
