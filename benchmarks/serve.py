@@ -28,17 +28,27 @@ Figures, per candidate count:
    not share this interpreter): QPS at saturation (closed loop, several
    clients in several generator processes) against the library's (goal:
    >= 0.85x), and latency p50/p99 at a fixed offered load of half the
-   saturated QPS. Bounded in requests and seconds. Both figures score the
-   same requests in the same process.
+   saturated QPS, and the server's CPU time per request. Bounded in
+   requests and seconds. Both figures score the same requests in the same
+   process. The generator sends the columns in `--request-format`: binary
+   (base64 typed arrays, the default) or JSON lists.
 5. The host cost of each stage of the HTTP path, milliseconds per request
-   (`host_stages`): JSON decoding, validation, conversion to training's
-   structures, history building and packing, response encoding, and the
-   load generator's request encoding. They need no device, so
+   (`host_stages`): JSON decoding and validation of both request forms,
+   conversion to training's structures, history building and packing,
+   response encoding, and the load generator's request encoding. They need
+   no device, so
 
      PYTHONPATH=. python benchmarks/serve.py --host-stages --cands 500
 
    times them alone on any machine (the config's data settings, a tiny
-   model: the model does not enter these stages).
+   model: the model does not enter these stages), and
+
+     PYTHONPATH=. python benchmarks/serve.py --stub-device --cands 500
+
+   runs figures 2 and 4 with program calls that return host zeros
+   (`--stub-device-ms`: a device time per call), so that the library's
+   and the service's host work can be compared on a machine without the
+   device.
 """
 
 import argparse
@@ -67,6 +77,9 @@ from gemjax.serve.requests import request_dicts  # noqa: E402
 from gemjax.train.state import build  # noqa: E402
 
 NAME = "serve"
+# Request forms of the load generator (`gemjax.serve.requests`): columns as
+# JSON lists, or in the binary form (base64 typed arrays).
+FORMS = ("lists", "binary")
 SMOKE = [
   "model.d_model=32",
   "model.num_layers=1",
@@ -208,25 +221,34 @@ def host_stages(ranker, log, req, per_call, case, records, reps: int):
   from gemjax.serve.requests import to_log_and_requests
 
   data = ranker.cfg.data
-  dicts = request_dicts(log, req)
-  bodies = [json.dumps({"requests": [d]}).encode() for d in dicts]
-  decoded = [http.decode_json(b) for b in bodies]
+  forms = {f: request_dicts(log, req, binary=f == "binary") for f in FORMS}
+  bodies = {
+    f: [json.dumps({"requests": [d]}).encode() for d in ds]
+    for f, ds in forms.items()
+  }
+  decoded = {f: [http.decode_json(b) for b in bs] for f, bs in bodies.items()}
+  dicts = forms["lists"]
   parsed = [
-    http.parse_body(b, data, data.num_dense, 1000.0)[0][0] for b in decoded
+    http.parse_body(b, data, data.num_dense, 1000.0)[0][0]
+    for b in decoded["lists"]
   ]
   calls = [parsed[i : i + per_call] for i in range(0, len(parsed), per_call)]
   converted = [to_log_and_requests(c, len(ranker.tasks)) for c in calls]
   probs = [
     np.zeros((len(d["candidates"]["item"]), 2), np.float32) for d in dicts
   ]
-  stages = {
-    "client: encode request": lambda: [
-      json.dumps({"requests": [d]}).encode() for d in dicts
-    ],
-    "decode JSON": lambda: [http.decode_json(b) for b in bodies],
-    "validate": lambda: [
-      http.parse_body(b, data, data.num_dense, 1000.0) for b in decoded
-    ],
+  stages = {}
+  for f in FORMS:
+    stages[f"client: encode request ({f})"] = lambda f=f: [
+      json.dumps({"requests": [d]}).encode() for d in forms[f]
+    ]
+    stages[f"decode JSON ({f})"] = lambda f=f: [
+      http.decode_json(b) for b in bodies[f]
+    ]
+    stages[f"validate ({f})"] = lambda f=f: [
+      http.parse_body(b, data, data.num_dense, 1000.0) for b in decoded[f]
+    ]
+  stages |= {
     "convert": lambda: [
       to_log_and_requests(c, len(ranker.tasks)) for c in calls
     ],
@@ -254,11 +276,46 @@ def host_stages(ranker, log, req, per_call, case, records, reps: int):
         lower_is_better=True,
       )
     )
+  sizes = {f: np.mean([len(b) for b in bs]) / 1e3 for f, bs in bodies.items()}
   print(
-    "  host ms/request: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()),
+    "  host ms/request: "
+    + ", ".join(f"{k} {v:.3f}" for k, v in out.items())
+    + "; body KB: "
+    + ", ".join(f"{f} {v:.0f}" for f, v in sizes.items()),
     flush=True,
   )
   return out
+
+
+class _StubDevice:
+  """`--stub-device`: a ranker's program calls replaced by zeros of their
+  output shape made on the host, nothing compiled, so the library and
+  HTTP figures time host work. With `ms` > 0 the stub is a device that
+  runs one call at a time for `ms` each: a call's result is ready `ms`
+  after the previous call's (or its own dispatch), and reading it before
+  then sleeps, releasing the GIL as a wait for a real device does."""
+
+  def __init__(self, ranker, ms: float):
+    self.seconds, self.free_at = ms / 1e3, 0.0
+    self.tasks = len(ranker.tasks)
+    ranker.run = self.run
+
+  def run(self, bucket, batch):
+    self.free_at = max(self.free_at, time.perf_counter()) + self.seconds
+    return _Pending(
+      np.zeros((bucket.cands, self.tasks), np.float32), self.free_at
+    )
+
+
+class _Pending:
+  def __init__(self, value, ready: float):
+    self.value, self.ready = value, ready
+
+  def __array__(self, dtype=None, copy=None):
+    wait = self.ready - time.perf_counter()
+    if wait > 0:  # (sleep(0) would give the core away)
+      time.sleep(wait)
+    return self.value
 
 
 def library_qps(ranker, log, req, seconds: float) -> float:
@@ -369,20 +426,27 @@ def _restore_env(saved: dict):
         os.environ[k] = v
 
 
-def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
-  """Figure 3: saturation QPS and latency at a fixed offered load."""
+def http_figures(
+  ranker, log, req, case, lib_qps, per_call, bound, form, records
+):
+  """Figure 3: saturation QPS and latency at a fixed offered load, the
+  requests sent in `form`; with the server's CPU time per request (this
+  process, every thread: the generator runs in other processes)."""
   from gemjax.serve.http import in_thread, make_app
 
   bodies = [
-    json.dumps({"requests": [d]}).encode() for d in request_dicts(log, req)
+    json.dumps({"requests": [d]}).encode()
+    for d in request_dicts(log, req, binary=form == "binary")
   ]
   ctx = multiprocessing.get_context("spawn")
   total, seconds = bound
   # Generator processes, so that the load offered is never bounded by one
-  # client interpreter: closed loop with two connections per request slot
-  # of a program call, spread over the processes.
+  # client interpreter: closed loop with four connections per request slot
+  # of a program call, spread over the processes (a call's requests being
+  # built, on the device, answered, and the next ones on their way: with
+  # two, the worker waits for clients between calls).
   parts = max(1, min(4, (os.cpu_count() or 1) // 2))
-  threads = max(1, -(-2 * per_call // parts))
+  threads = max(1, -(-4 * per_call // parts))
   # The generator imports this module, so JAX too: keep it off the GPU
   # that this process holds (the children inherit the environment).
   env = {k: os.environ.get(k) for k in ("JAX_PLATFORMS",)}
@@ -396,24 +460,40 @@ def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
   ):
     # Warm the path once per process (imports, connections, the worker).
     _offer(gen, url, bodies, parts, 1, parts, 60.0, None)
+    cpu0 = os.times()
     lat, codes, el = _offer(
       gen, url, bodies, parts, threads, total, seconds, None
     )
+    cpu1 = os.times()
     sat = len(lat) / el
+    cpu_ms = (
+      (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / max(len(lat), 1)
+    ) * 1e3
     rate = max(sat / 2, 1e-3)
     lat2, codes2, _ = _offer(
       gen, url, bodies, parts, threads, total, seconds, rate
     )
   print(
-    f"  http saturation: {sat:.1f} req/s, statuses {codes}; "
-    f"at {rate:.1f} req/s: statuses {codes2}",
+    f"  http ({form}) saturation: {sat:.1f} req/s, server CPU "
+    f"{cpu_ms:.2f} ms/request, statuses {codes}; at {rate:.1f} req/s: "
+    f"statuses {codes2}",
     flush=True,
   )
   records.append(
     common.record(
       NAME,
       case,
-      "http",
+      f"http ({form})",
+      "server CPU ms per request (saturation)",
+      cpu_ms,
+      lower_is_better=True,
+    )
+  )
+  records.append(
+    common.record(
+      NAME,
+      case,
+      f"http ({form})",
       "qps (saturation)",
       sat,
       baseline="library",
@@ -427,7 +507,7 @@ def http_figures(ranker, log, req, case, lib_qps, per_call, bound, records):
         common.record(
           NAME,
           case,
-          "http",
+          f"http ({form})",
           f"latency_ms p{q} at {rate:.3g} req/s offered",
           float(np.percentile(lat2, q)) * 1e3,
           lower_is_better=True,
@@ -471,14 +551,37 @@ def main(argv=None):
     action="store_true",
     help="only figure 5 (host ms per stage), with a tiny model",
   )
+  ap.add_argument(
+    "--stub-device",
+    action="store_true",
+    help="no device: program calls return zeros made on the host, so the "
+    "library and HTTP figures time host work only (a tiny model)",
+  )
+  ap.add_argument(
+    "--stub-device-ms",
+    type=float,
+    default=0.0,
+    help="with --stub-device: device milliseconds per program call",
+  )
+  ap.add_argument(
+    "--request-format",
+    default="binary",
+    help=f"how the HTTP load generator sends the columns: one or more of "
+    f"{','.join(FORMS)}, each form its own figures",
+  )
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
-  if args.host_stages and not args.smoke:
+  forms = args.request_format.split(",")
+  if not forms or not set(forms) <= set(FORMS):
+    ap.error(f"--request-format {args.request_format}: one or more of {FORMS}")
+  if args.stub_device:
+    args.paths = "m_falcon"
+  if (args.host_stages or args.stub_device) and not args.smoke:
     tiny = [s for s in SMOKE if s.startswith("model.")]
     cfg = config_lib.load(args.config, tiny)
     cands = [int(c) for c in args.cands.split(",")]
     budget = 2000
-    bound, lib_s = (0, 0.0), 0.0
+    bound, lib_s = (2000, 20.0), 5.0
   elif args.smoke:
     cfg = config_lib.load("smoke", SMOKE)
     cands = [8, 40]
@@ -533,14 +636,18 @@ def main(argv=None):
     )
     if args.host_stages:
       continue
-    t = time.perf_counter()
-    for r in rankers.values():
-      r.warmup()
-    print(
-      f"  compiled {len(rankers)} programs in {time.perf_counter() - t:.1f} s",
-      flush=True,
-    )
-    device_figures(rankers, log, req, case, records)
+    if args.stub_device:
+      _StubDevice(rankers["m_falcon"], args.stub_device_ms)
+    else:
+      t = time.perf_counter()
+      for r in rankers.values():
+        r.warmup()
+      print(
+        f"  compiled {len(rankers)} programs in "
+        f"{time.perf_counter() - t:.1f} s",
+        flush=True,
+      )
+      device_figures(rankers, log, req, case, records)
     if "m_falcon" in rankers:
       lib = library_qps(rankers["m_falcon"], log, req, lib_s)
       records.append(
@@ -552,7 +659,8 @@ def main(argv=None):
           lib,
         )
       )
-      if not args.no_cache:
+      print(f"  library: {lib:.1f} req/s", flush=True)
+      if not (args.no_cache or args.stub_device):
         cached = Ranker.from_params(
           cfg,
           params,
@@ -563,12 +671,24 @@ def main(argv=None):
         cached.warmup()
         cache_figures(cached, log, req, case, records, 3 if args.smoke else 20)
       if not args.no_http and _http_stack():
-        http_figures(
-          rankers["m_falcon"], log, req, case, lib, per_call, bound, records
-        )
-  # Host-stage runs are CPU figures: only to --out, like a smoke run.
+        for form in forms:
+          http_figures(
+            rankers["m_falcon"],
+            log,
+            req,
+            case,
+            lib,
+            per_call,
+            bound,
+            form,
+            records,
+          )
+  # Host-only runs are CPU figures: only to --out, like a smoke run.
   common.write_results(
-    NAME, records, args.out, dry_run=args.smoke or args.host_stages
+    NAME,
+    records,
+    args.out,
+    dry_run=args.smoke or args.host_stages or args.stub_device,
   )
 
 

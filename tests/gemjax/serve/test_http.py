@@ -14,7 +14,7 @@ import pytest
 from gemjax.data import synthetic
 from gemjax.serve.http import in_thread, make_app
 from gemjax.serve.ranker import Ranker
-from gemjax.serve.requests import request_dicts
+from gemjax.serve.requests import encode_column, request_dicts
 from tests.gemjax.serve.conftest import SHAPES
 
 TIMEOUT = 60.0
@@ -67,6 +67,31 @@ def test_score_health_metrics(ranker, dicts):
     assert f"gemjax_serve_{name}" in m
 
 
+def test_binary_columns_score_as_the_lists(ranker):
+  """The same requests sent with JSON-list columns and in the binary
+  column form get the same scores, bit for bit (one body each, so the
+  same batches)."""
+  log, req, _ = synthetic.generate_raw(ranker.cfg.data, synthetic.EVAL, 0, 5, 3)
+  with running(ranker, max_wait_ms=1) as url:
+    got = [
+      httpx.post(
+        f"{url}/v1/score",
+        json={"requests": request_dicts(log, req, binary=b)},
+        timeout=TIMEOUT,
+      )
+      for b in (False, True)
+    ]
+  assert [r.status_code for r in got] == [200, 200], got[1].text
+  lists, binary = (r.json()["scores"] for r in got)
+  assert lists == binary
+  # The library on the same requests: the same batch, the same float32s
+  # (the answer writes each float32's shortest round-trip decimal).
+  want = ranker.score_log(log, req)
+  for s, w in zip(binary, want, strict=True):
+    got = np.array([s["ctr"], s["cvr"]], np.float32).T
+    np.testing.assert_array_equal(got, w)
+
+
 def bad_bodies(d):
   """(body, field named in the answer), each one problem."""
 
@@ -81,6 +106,7 @@ def bad_bodies(d):
       obj[path[-1]] = value
     return {"requests": [d, b]}
 
+  n_c = len(d["candidates"]["item"])
   hist_ts = list(d["history"]["ts"])
   hist_ts[1], hist_ts[2] = hist_ts[2], hist_ts[1] - 1
   return [
@@ -104,6 +130,25 @@ def bad_bodies(d):
     (edit(["ts"], 2**63), "requests[1].ts"),
     (edit(["history", "ts", 0], 10**30), "requests[1].history.ts[0]"),
     (edit(["history"], [1, 2]), "requests[1].history"),
+    # The binary column form: the same checks, the same names.
+    (edit(["candidates", "item"], "@@"), "requests[1].candidates.item"),
+    (
+      edit(["candidates", "price"], encode_column([1.0] * (n_c + 1), "price")),
+      "requests[1].candidates.price",  # one entry too many
+    ),
+    (
+      edit(
+        ["candidates", "item"], encode_column([3] * (n_c - 1) + [-1], "item")
+      ),
+      f"requests[1].candidates.item[{n_c - 1}]",
+    ),
+    (
+      edit(
+        ["candidates", "price"],
+        encode_column(np.array([1.0, np.nan] * n_c)[:n_c], "price"),
+      ),
+      "requests[1].candidates.price[1]",
+    ),
   ]
 
 

@@ -1,15 +1,26 @@
 """Request validation and the JSON codecs, without a server or a model:
 every bad entry is named by its field, numbers are never coerced into ids,
+the binary column form reads as the lists do and passes the same checks,
 and the orjson and Python json paths give the same answers."""
 
+import base64
+import binascii
+import functools
 import json
 
 import numpy as np
 import pytest
 
 from gemjax.data.config import ACTION_ID
-from gemjax.serve import http
-from gemjax.serve.requests import RequestError, parse_request
+from gemjax.serve import http, requests
+from gemjax.serve.requests import (
+  BINARY,
+  CANDIDATES,
+  HISTORY,
+  RequestError,
+  encode_column,
+  parse_request,
+)
 from tests.gemjax.serve.conftest import tiny_config
 
 DATA = tiny_config().data
@@ -79,6 +90,124 @@ def test_bad_entry_is_named(path, value, field):
   with pytest.raises(RequestError) as e:
     parse_request(r, DATA, DATA.num_dense, "requests[0]")
   assert e.value.field == f"requests[0].{field}"
+
+
+@pytest.fixture(params=["pybase64", "binascii"])
+def b64(request, monkeypatch):
+  """Both base64 decoders of `requests`: pybase64 when installed, and
+  binascii's."""
+  if request.param == "pybase64":
+    pytest.importorskip("pybase64")
+  else:
+    monkeypatch.setattr(
+      requests,
+      "_b64decode",
+      functools.partial(binascii.a2b_base64, strict_mode=True),
+    )
+  return request.param
+
+
+def binary(r):
+  """`r` with every history and candidate column in the binary form."""
+  r = dict(r)
+  for part, names in (("history", HISTORY), ("candidates", CANDIDATES)):
+    r[part] = {k: encode_column(_ids(r[part][k], k), k) for k in names}
+  return r
+
+
+def _ids(vals, name):
+  return [ACTION_ID.get(a, a) for a in vals] if name == "action" else vals
+
+
+def test_binary_columns_read_as_the_lists(b64):
+  want = parse_request(request(), DATA, DATA.num_dense)
+  for r in (binary(request()), _mixed()):
+    got = parse_request(r, DATA, DATA.num_dense)
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+      np.testing.assert_array_equal(got[k], w, err_msg=k)
+      assert np.asarray(got[k]).dtype == np.asarray(w).dtype, k
+  # Through JSON, as the server reads it.
+  raw = json.dumps({"requests": [binary(request())]}).encode()
+  parsed, _ = http.parse_body(http.decode_json(raw), DATA, DATA.num_dense, 1e3)
+  np.testing.assert_array_equal(parsed[0]["hist_ts"], want["hist_ts"])
+
+
+def _mixed():
+  """Binary candidates beside a history of lists."""
+  r = request()
+  r["candidates"] = binary(r)["candidates"]
+  return r
+
+
+def _raw(arr, dtype):
+  return base64.b64encode(np.asarray(arr, dtype).tobytes()).decode()
+
+
+@pytest.mark.parametrize(
+  "part, name, value, field",
+  [
+    ("candidates", "category", None, "candidates.category"),  # missing
+    ("candidates", "item", 5, "candidates.item"),  # neither list nor string
+    ("candidates", "item", "not base64!", "candidates.item"),
+    ("candidates", "item", "BQAAAA", "candidates.item"),  # no padding
+    ("candidates", "item", "BQAAAA==BQAAAA==", "candidates.item"),
+    ("candidates", "item", "BQAAAA\n", "candidates.item"),
+    ("candidates", "item", "BQAAAé==", "candidates.item"),
+    ("candidates", "item", _raw([5, 6, 7], "u1"), "candidates.item"),  # 3 B
+    ("candidates", "price", _raw([1.0], "<f4"), "candidates.price"),  # length
+    ("candidates", "item", _raw([5, -6], "<i4"), "candidates.item[1]"),
+    (
+      "candidates",
+      "item",
+      _raw([DATA.num_items, 6], "<i4"),
+      "candidates.item[0]",
+    ),
+    (
+      "candidates",
+      "category",
+      _raw([1, DATA.num_categories], "<i4"),
+      "candidates.category[1]",
+    ),
+    ("candidates", "price", _raw([1.0, np.nan], "<f4"), "candidates.price[1]"),
+    ("candidates", "price", _raw([np.inf, 1], "<f4"), "candidates.price[0]"),
+    ("candidates", "price", _raw([1.0, -2], "<f4"), "candidates.price[1]"),
+    ("history", "ts", _raw([10, 20, -1, 30], "<i8"), "history.ts[2]"),
+    ("history", "ts", _raw([10, 20, 2**33, 30], "<i8"), "history.ts[2]"),
+    ("history", "ts", _raw([10, 20, 15, 30], "<i8"), "history.ts[2]"),  # order
+    ("history", "action", _raw([0, 1, 9, 0], "<i1"), "history.action[2]"),
+    ("history", "action", _raw([0, -1, 2, 0], "<i1"), "history.action[1]"),
+  ],
+)
+def test_bad_binary_column_is_named(part, name, value, field, b64):
+  r = binary(request())
+  if value is None:
+    del r[part][name]
+  else:
+    r[part][name] = value
+  with pytest.raises(RequestError) as e:
+    parse_request(r, DATA, DATA.num_dense, "requests[0]")
+  assert e.value.field == f"requests[0].{field}", str(e.value)
+  assert str(e.value).startswith(f"requests[0].{field}: ")
+
+
+def test_binary_empty_candidates_and_history():
+  r = binary(request())
+  r["candidates"] = {k: "" for k in CANDIDATES}
+  with pytest.raises(RequestError) as e:
+    parse_request(r, DATA, DATA.num_dense)
+  assert e.value.field == "request.candidates.item"
+  r = binary(request())
+  r["history"] = {k: "" for k in HISTORY}  # an empty history is allowed
+  assert parse_request(r, DATA, DATA.num_dense)["hist_ts"].size == 0
+
+
+def test_encode_column_refuses_what_its_dtype_cannot_hold():
+  assert encode_column([1, 2], "item") == _raw([1, 2], BINARY["item"])
+  assert encode_column([21.7], "price") == _raw([21.7], "<f4")
+  for vals, name in (([2**31], "item"), ([1.5], "ts"), ([128], "action")):
+    with pytest.raises(ValueError, match=name):
+      encode_column(vals, name)
 
 
 @pytest.fixture(params=["orjson", "json"])
