@@ -186,14 +186,25 @@ def test_bad_input_answers_4xx_naming_the_field(ranker, dicts):
 
 def test_overload_and_deadline(ranker, dicts):
   d = dicts[0]
-  # The worker waits 400 ms for company; a queue of one job: the second
-  # concurrent job is turned away at once.
-  with running(ranker, max_wait_ms=400, max_queue=1) as url:
+  # The worker waits 3 s for company; a queue of one job: a second job
+  # sent while the first waits in the queue is turned away at once. The
+  # second is sent once /metrics shows the first queued (not after a fixed
+  # sleep, which a loaded machine can outlast).
+  with running(
+    ranker, max_wait_ms=3000, max_queue=1, deadline_ms=30_000
+  ) as url:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       first = pool.submit(
         httpx.post, f"{url}/v1/score", json={"requests": [d]}, timeout=TIMEOUT
       )
-      time.sleep(0.1)
+      give_up = time.monotonic() + 2.5
+      while time.monotonic() < give_up:
+        m = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        if "gemjax_serve_queue_depth 1" in m:
+          break
+        time.sleep(0.01)
+      else:
+        raise AssertionError("the first job never showed in the queue")
       second = httpx.post(
         f"{url}/v1/score", json={"requests": [d]}, timeout=TIMEOUT
       )
