@@ -1,11 +1,12 @@
 """Block attention: Mosaic GPU kernels against the plain-jnp reference (G3).
 
-On CPU the kernels run under Pallas's GPU interpret mode (tiny shapes with
-every edge case: empty sequences, length 1, lengths that are not a
-multiple of the block (zero-filled last block), sequences starting off the
-8-row grid, one long sequence among short ones, the buffer tail). A small
-`num_sms` makes each persistent CTA walk several tiles. `-m gpu` reruns
-them compiled at real shapes on the H200.
+Every kernel case runs twice from one body (`conftest.py`'s `interpret`):
+under Pallas's GPU interpret mode on the CPU (tiny shapes with every edge
+case: empty sequences, length 1, lengths that are not a multiple of the
+block (zero-filled last block), sequences starting off the 8-row grid,
+one long sequence among short ones, the buffer tail), and compiled under
+`-m gpu` on the H200, which adds real shapes (`test_gpu_real_shapes`). A
+small `num_sms` makes each persistent CTA walk several tiles.
 """
 
 import dataclasses
@@ -34,7 +35,7 @@ from tests.pallas_kernels import attention_cases as cases
 SMALL = mg.BlockSizes(num_sms=2)
 
 
-def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
+def _check_case(lens, *, n, kh, h, dtype, tail, seed, interpret, **kw):
   off = cases.offsets(lens)
   t = int(off[-1]) + tail
   q, k, v, do = cases.inputs(seed, t, t, n, kh, h, dtype)
@@ -42,7 +43,9 @@ def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
   block_sizes = kw.pop("block_sizes", None)
 
   def ours(q, k, v):
-    return block_attention_mosaic(q, k, v, off, block_sizes=block_sizes, **kw)
+    return block_attention_mosaic(
+      q, k, v, off, block_sizes=block_sizes, interpret=interpret, **kw
+    )
 
   def ref(q, k, v):
     return block_attention_reference(q, k, v, off, **kw)
@@ -60,7 +63,7 @@ def _check_case(lens, *, n, kh, h, dtype, tail, seed, **kw):
     assert not x[int(off[-1]) :].any()
 
 
-def test_block64_rope_gqa_interpret():
+def test_block64_rope_gqa(interpret):
   # Blocks of 64 with RoPE fused (head dim 128), two query heads per KV
   # head (the two consumer warpgroups split them). Lengths: 70 (a full
   # block and a zero-filled partial one), 0, 1, 130 (one long), 9; starts
@@ -76,10 +79,11 @@ def test_block64_rope_gqa_interpret():
     block=64,
     rope=10_000.0,
     block_sizes=SMALL,
+    interpret=interpret,
   )
 
 
-def test_block32_causal_fused_rope_interpret():
+def test_block32_causal_fused_rope(interpret):
   # Fused RoPE (head dim 128) under both masks the kernels build: blocks
   # of 32 (block-diagonal in each 64-row tile) and causal. Positions up to
   # 199, so rotating at tile positions differs from sequence positions in
@@ -97,10 +101,11 @@ def test_block32_causal_fused_rope_interpret():
     rope=10_000.0,
     causal=True,
     block_sizes=dataclasses.replace(SMALL, rope_f32=True),
+    interpret=interpret,
   )
 
 
-def test_rope_f32_setting_picks_the_rotation_arithmetic():
+def test_rope_f32_setting_picks_the_rotation_arithmetic(interpret):
   # `BlockSizes.rope_f32` reaches the kernel: the forward rotates Q and K
   # in f32 or in the input dtype (default), whose outputs differ by the
   # second rounding of the rotated rows, the f32 ones nearer the
@@ -117,7 +122,7 @@ def test_rope_f32_setting_picks_the_rotation_arithmetic():
     bs = dataclasses.replace(SMALL, rope_f32=f32)
     o = jax.jit(
       lambda q, k, v, bs=bs: block_attention_mosaic(
-        q, k, v, off, rope=1e4, block_sizes=bs
+        q, k, v, off, rope=1e4, block_sizes=bs, interpret=interpret
       )
     )(q, k, v)
     outs[f32] = np.asarray(o, np.float32)
@@ -126,7 +131,7 @@ def test_rope_f32_setting_picks_the_rotation_arithmetic():
   assert errs[True] < errs[False] < cases.REL_TOL[jnp.bfloat16]
 
 
-def test_block32_causal_odd_group_interpret():
+def test_block32_causal_odd_group(interpret):
   # Blocks of 32 (two per 64-row tile, block-diagonal mask), causal, fp16,
   # 3 query heads per KV head (uneven split over the warpgroups), head dim
   # 64 (RoPE applied by XLA before the kernel).
@@ -142,10 +147,11 @@ def test_block32_causal_odd_group_interpret():
     rope=500.0,
     causal=True,
     block_sizes=SMALL,
+    interpret=interpret,
   )
 
 
-def test_block32_one_head_interpret():
+def test_block32_one_head(interpret):
   # Multi-head (not grouped) attention: the forward runs one consumer
   # warpgroup per CTA, the backward's two share each tile's one head (a
   # group of one). Blocks of 32, not
@@ -161,11 +167,12 @@ def test_block32_one_head_interpret():
     seed=3,
     block=32,
     block_sizes=SMALL,
+    interpret=interpret,
   )
 
 
 @pytest.mark.slow
-def test_block128_through_the_jagged_kernel_interpret():
+def test_block128_through_the_jagged_kernel(interpret):
   # Blocks of 128 run the jagged-attention kernel on the blocks as
   # sequences of their own (RoPE by XLA first), at head dim 128 with the
   # settings the op picks (`jagged_block_sizes`: 64-key steps). Lengths
@@ -181,6 +188,7 @@ def test_block128_through_the_jagged_kernel_interpret():
     seed=7,
     block=128,
     rope=10_000.0,
+    interpret=interpret,
   )
   off = cases.offsets([3])
   x = jnp.zeros((3, 1, 64), jnp.bfloat16)
@@ -350,7 +358,6 @@ def test_dispatch():
     block_attention(x, x[:, :1], x[:, :1], off, implementation="nope")
 
 
-# Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "h,block,rope,causal,dtype",
@@ -364,7 +371,9 @@ def test_dispatch():
     (64, 128, None, True, jnp.float16),
   ],
 )
-def test_gpu_matches_reference(h, block, rope, causal, dtype):
+def test_gpu_real_shapes(h, block, rope, causal, dtype):
+  """Compiled at real shapes (16 sequences of up to 2,048 rows, 8 heads),
+  far too slow to interpret, with the default settings (132 CTAs)."""
   rng = np.random.default_rng(h + block)
   lens = rng.integers(1, 2048, 16)
   lens[:3] = [0, 1, 2048]
@@ -379,4 +388,5 @@ def test_gpu_matches_reference(h, block, rope, causal, dtype):
     block=block,
     rope=rope,
     causal=causal,
+    interpret=False,
   )

@@ -10,9 +10,11 @@ and for a product of two quantized operands, summed over k,
   |out - x.w| <= sum_k (u|x| + dx)((1 + u)|w| + dw) + |x|(u|w| + dw)
                  + f32 summation (K 2^-24 sum |x||w|) + output rounding.
 
-CPU tests run the `jnp` reference and the Mosaic GPU kernels in GPU
-interpret mode at small shapes; `-m gpu` tests compile the kernels on the
-H200 at real shapes.
+CPU tests run the `jnp` reference. Every Mosaic GPU kernel case runs twice
+from one body (`conftest.py`'s `interpret`, or `mode` for the op, which
+picks the kernels' mode from the backend): in GPU interpret mode on the
+CPU at small shapes, and compiled under `-m gpu` on the H200, which adds
+real shapes (the `test_gpu_*` tests).
 """
 
 import contextlib
@@ -449,6 +451,7 @@ def test_prequantized_weight_routes_its_gradient_to_the_source():
   np.testing.assert_array_equal(pull(g)[0], dx1)
 
 
+@pytest.mark.usefixtures("mode")
 @pytest.mark.parametrize("impl", ["xla", "mosaic"])
 def test_fp8_weight_gradient_in_either_rhs_layout(impl):
   """The FP8 weight gradient of `w [k, n]` (contracted first: computed as
@@ -567,8 +570,8 @@ def test_errors():
     ((32, 32), 32, True, 2, 256, dict(warpgroups=1, tile_r=128, stages=3)),
   ],
 )
-def test_quantize_kernel_interpret_equals_reference(
-  block, hb, sr, num_sms, rows, tile
+def test_quantize_kernel_equals_reference(
+  block, hb, sr, num_sms, rows, tile, interpret
 ):
   x = _data(jax.random.key(28), (rows, 128), jnp.bfloat16)
   # A subnormal e4m3 result and zeros (the row maximum sets the scale).
@@ -580,7 +583,7 @@ def test_quantize_kernel_interpret_equals_reference(
     block=block,
     hadamard=hb,
     sr=sr,
-    interpret=True,
+    interpret=interpret,
     num_sms=num_sms,
     **tile,
   )
@@ -629,8 +632,8 @@ TRANSPOSE_FORMS = ["bf16", "bf16 rows_too", "e4m3"]
 @pytest.mark.parametrize(
   "r,c,num_sms,steps", [(384, 256, 4, 1), (1536, 128, 4, 3)]
 )
-def test_transpose_quantize_interpret_equals_quantize_of_transpose(
-  r, c, num_sms, steps, form
+def test_transpose_quantize_equals_quantize_of_transpose(
+  r, c, num_sms, steps, form, interpret
 ):
   """`x^T` quantized from `x` as stored (bf16, or e4m3 values with their
   scales, dequantized in registers) equals `quantize_mgpu` of the
@@ -651,16 +654,16 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   src, sx = x, None
   if form == "e4m3":
     src, sx = mosaic_gpu_quantize.quantize_mgpu(
-      x, block=(1, 128), interpret=True
+      x, block=(1, 128), interpret=interpret
     )
     sx_rc = jnp.repeat(sx, 128, axis=0).T  # one scale per element
     x = (src.astype(jnp.float32) * sx_rc).astype(jnp.bfloat16)  # exact
   rows_too = form == "bf16 rows_too"
   v, se, *rows = mosaic_gpu_transpose_quantize.transpose_quantize_mgpu(
-    src, sx, interpret=True, num_sms=num_sms, rows_too=rows_too
+    src, sx, interpret=interpret, num_sms=num_sms, rows_too=rows_too
   )
   rv, rse = mosaic_gpu_quantize.quantize_mgpu(
-    x.T, block=(1, 128), interpret=True
+    x.T, block=(1, 128), interpret=interpret
   )
   assert v.shape == (c, r) and se.shape == (r // 128, c)
   np.testing.assert_array_equal(se, rse)
@@ -669,7 +672,7 @@ def test_transpose_quantize_interpret_equals_quantize_of_transpose(
   if rows_too:
     vr, ser = rows
     want_v, want_s = mosaic_gpu_quantize.quantize_mgpu(
-      x, block=(1, 128), interpret=True
+      x, block=(1, 128), interpret=interpret
     )
     assert vr.shape == (r, c) and ser.shape == want_s.shape
     np.testing.assert_array_equal(ser, want_s)
@@ -705,6 +708,7 @@ def test_transpose_quantize_refuses_bad_input():
     )
 
 
+@pytest.mark.usefixtures("mode")
 def test_fp8_weight_gradient_quantizes_transposed_in_one_pass(monkeypatch):
   """The FP8 weight gradient (1 x 128 activations) quantizes g^T from g
   and the lhs^T from the forward's values and scales with the transposing
@@ -789,7 +793,7 @@ _B, _D = mosaic_gpu_matmul.BlockSizes, mosaic_gpu_matmul.Dim
     (32, (32, 32), (32, 32), _B(cluster_dimension=_D.N), 256),
   ],
 )
-def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
+def test_matmul_kernel_equals_reference(kb, ablk, bblk, bs, k, interpret):
   m, n = 256, 256
   a = _data(jax.random.key(29), (m, k))
   b = _data(jax.random.key(30), (n, k))
@@ -802,7 +806,7 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
     jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
     kb=kb,
     out_dtype=jnp.float32,
-    interpret=True,
+    interpret=interpret,
     num_sms=2,  # persistent programs walk several output tiles
     block_sizes=bs,
     b_scale_uniform=bblk[0] == 128,
@@ -814,7 +818,7 @@ def test_matmul_kernel_interpret_equals_reference(kb, ablk, bblk, bs, k):
 
 
 @pytest.mark.parametrize("splits,num_sms", [(2, 2), (4, 3), (2, 132)])
-def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
+def test_matmul_kernel_split_k_equals_reference(splits, num_sms, interpret):
   """Split-K: the contraction cut into `splits` runs, each an f32 output
   tile of its own, summed; programs walking several (run, tile) items
   (num_sms 2 and 3) and one each (132)."""
@@ -830,7 +834,7 @@ def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
     bs_.T,
     kb=128,
     out_dtype=jnp.bfloat16,
-    interpret=True,
+    interpret=interpret,
     num_sms=num_sms,
     splits=splits,
   )
@@ -839,7 +843,7 @@ def test_matmul_kernel_split_k_interpret_equals_reference(splits, num_sms):
   _close_bf16(out, want)
   with pytest.raises(ValueError, match="splits=3"):
     mosaic_gpu_matmul.scaled_matmul_mgpu(
-      av, as_.T, bv, bs_.T, kb=128, interpret=True, splits=3
+      av, as_.T, bv, bs_.T, kb=128, interpret=interpret, splits=3
     )
 
 
@@ -889,6 +893,7 @@ def test_split_k_plan_takes_the_tile_that_fills_the_chip():
     mosaic_gpu_matmul.split_k_plan(64, 512, 65536, 128)
 
 
+@pytest.mark.usefixtures("mode")
 def test_op_splits_k_for_weight_gradients(monkeypatch):
   """The FP8 weight gradient of a product with few output tiles runs
   split-K (here with runs of 2 k-steps, so small shapes qualify) and
@@ -935,8 +940,8 @@ _QB = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes
     (256, 256, 512, 4, _QB(cluster_m=4), True),
   ],
 )
-def test_quantizing_matmul_interpret_equals_reference(
-  m, k, n, num_sms, bs, uniform
+def test_quantizing_matmul_equals_reference(
+  m, k, n, num_sms, bs, uniform, interpret
 ):
   a = _data(jax.random.key(41), (m, k), jnp.bfloat16)
   # A subnormal e4m3 result, zeros, and an all-zero block (scale 2^-126).
@@ -945,18 +950,26 @@ def test_quantizing_matmul_interpret_equals_reference(
   b = _data(jax.random.key(42), (n, k))
   bblk = (128, 128) if uniform else (1, 128)
   bv, bs_ = ref.quantize_reference(b, block=bblk)
+  # An f32 output where it fits in shared memory (the interpreter has no
+  # such limit), else bf16: the same sums, rounded once more.
+  f32 = interpret or mosaic_gpu_quantizing_matmul.quantizing_fits(
+    jnp.float32, bs
+  )
   out = mosaic_gpu_quantizing_matmul.quantizing_matmul_mgpu(
     a,
     bv,
     jnp.repeat(bs_.T, bblk[0], axis=1)[:, :n],
-    out_dtype=jnp.float32,
-    interpret=True,
+    out_dtype=jnp.float32 if f32 else jnp.bfloat16,
+    interpret=interpret,
     num_sms=num_sms,
     block_sizes=bs,
     b_scale_uniform=uniform,
   )
   av, as_ = ref.quantize_reference(a, block=(1, 128))
   want = ref.scaled_matmul_reference(av, as_, (1, 128), bv, bs_, bblk)
+  if not f32:
+    _close_bf16(out, want)
+    return
   np.testing.assert_allclose(
     out, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
   )
@@ -1012,6 +1025,7 @@ def _close_bf16(got, want):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mode")
 def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
   """A raw bf16 left operand of a product with n <= 512 output columns
   and a 16-bit output is quantized in the kernel unless the FP8 weight
@@ -1072,8 +1086,9 @@ def test_op_quantizes_in_the_gemm_where_no_residual_needs_it(monkeypatch):
 # n = 300: the last 128-column group has 44 real columns, fewer than the
 # 64 scale entries the kernel reads for it (they were zero-padded once,
 # zeroing rows 44-63 of those columns).
+@pytest.mark.usefixtures("mode")
 @pytest.mark.parametrize("n", [100, 300])
-def test_op_mosaic_interpret_equals_xla(n):
+def test_op_mosaic_equals_xla(n):
   x = _data(jax.random.key(31), (70, 128), jnp.bfloat16, spread=1.0)
   w = _data(jax.random.key(32), (128, n), jnp.bfloat16, spread=1.0)
   g = _data(jax.random.key(33), (70, n), jnp.bfloat16, spread=1.0)
@@ -1094,6 +1109,7 @@ def test_op_mosaic_interpret_equals_xla(n):
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
 
 
+@pytest.mark.usefixtures("mode")
 def test_op_overlaps_the_last_row_tile_instead_of_padding(monkeypatch):
   """200 rows are one 192-row tile and one overlapping it: the kernel
   gets the rows as they are (no pad, no slice) and equals the reference."""
@@ -1114,7 +1130,8 @@ def test_op_overlaps_the_last_row_tile_instead_of_padding(monkeypatch):
   _close_bf16(got, want)
 
 
-def test_op_mosaic_interpret_under_vmap_and_grad():
+@pytest.mark.usefixtures("mode")
+def test_op_mosaic_under_vmap_and_grad():
   """The kernels' batching rules: fold into rows, or loop (batched rhs)."""
   bf = jnp.bfloat16  # the quantize kernel's input type
   x = _data(jax.random.key(38), (2, 32, 128), bf, spread=1.0)
@@ -1146,7 +1163,7 @@ def test_op_mosaic_interpret_under_vmap_and_grad():
 
 
 # ---------------------------------------------------------------------------
-# On the H200: real compilation, real shapes.
+# On the H200 alone: real shapes, far too slow to interpret.
 # ---------------------------------------------------------------------------
 
 
@@ -1176,7 +1193,8 @@ _GRID = dict(warpgroups=0, tile_r=64, stages=2)
   ],
 )
 def test_gpu_quantize_kernel(block, hb, sr, kw):
-  # 6144 rows: 1536 tiles, so the persistent workers get unequal counts.
+  """Compiled over 6144 x 2048 (1536 tiles, so the persistent workers get
+  unequal counts), with the default 132 SMs."""
   x = _data(jax.random.key(34), (6144, 2048), jnp.bfloat16)
   seed = fmt.hash32(jnp.int32(5)) if sr else None
   v, se = mosaic_gpu_quantize.quantize_mgpu(
@@ -1193,8 +1211,9 @@ def test_gpu_quantize_kernel(block, hb, sr, kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(512, 2048, 65536), (256, 512, 16384)])
 def test_gpu_split_k_matmul(m, n, k):
-  """Compiled split-K (the weight-gradient shapes) against one run over
-  the whole contraction: the same products, summed in another order."""
+  """Compiled split-K at the weight-gradient shapes (contractions of
+  16,384 and 65,536) against one run over the whole contraction: the same
+  products, summed in another order."""
   a = _data(jax.random.key(60), (m, k), jnp.bfloat16)
   b = _data(jax.random.key(61), (n, k), jnp.bfloat16)
   av, as_ = ref.quantize_reference(a, block=(1, 128))
@@ -1262,6 +1281,7 @@ def test_gpu_transpose_quantize_kernel(r, c, num_sms, form):
 @pytest.mark.parametrize("m,k,n", [(4096, 2048, 1024), (8192, 512, 2048)])
 @pytest.mark.parametrize("grad_rhs_fp8", [False, True])
 def test_gpu_dot_general_matches_reference(format, m, k, n, grad_rhs_fp8):
+  """The op compiled at model shapes (4096-8192 rows) against XLA's."""
   x = _data(jax.random.key(35), (m, k), jnp.bfloat16, spread=0.5)
   w = _data(jax.random.key(36), (k, n), jnp.bfloat16, spread=0.5)
   g = _data(jax.random.key(37), (m, n), jnp.bfloat16, spread=0.5)
@@ -1291,7 +1311,8 @@ def test_gpu_dot_general_matches_reference(format, m, k, n, grad_rhs_fp8):
 @pytest.mark.parametrize("m,k,n", [(8000, 2048, 512), (4096, 640, 300)])
 def test_gpu_quantizing_gemm_equals_quantize_first(m, k, n):
   """The forward's in-GEMM quantization (n <= 512) against quantizing x
-  first: the same values and scales, the same sums, bit for bit."""
+  first, at model shapes: the same values and scales, the same sums, bit
+  for bit."""
   x = _data(jax.random.key(48), (m, k), jnp.bfloat16, spread=0.5)
   w = _data(jax.random.key(49), (k, n), jnp.bfloat16, spread=0.5)
   wq = fp8.quantize(w, axis=0, kind="weight").detach()

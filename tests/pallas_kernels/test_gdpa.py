@@ -1,12 +1,13 @@
 """GDPA: Mosaic GPU kernels against the plain-jnp reference (G2).
 
-On CPU the kernels run under Pallas's GPU interpret mode (slow, so shapes
-are tiny, but every case packs the edge cases: sequences without queries,
-without keys, of length 1, lengths off the 64-row tile and the 8-row TMA
-grid, one long sequence among short ones, and the buffer tail). A small
-`num_sms` makes each persistent CTA walk several tiles, so the outer-loop
-pipeline and resident keys are exercised. `-m gpu` reruns the checks
-compiled at real shapes on the H200.
+Every kernel case runs twice from one body (`conftest.py`'s `interpret`):
+under Pallas's GPU interpret mode on the CPU (slow, so shapes are tiny,
+but every case packs the edge cases: sequences without queries, without
+keys, of length 1, lengths off the 64-row tile and the 8-row TMA grid, one
+long sequence among short ones, and the buffer tail), and compiled under
+`-m gpu` on the H200, which adds real shapes (`test_gpu_real_shapes`). A
+small `num_sms` makes each persistent CTA walk several tiles, so the
+outer-loop pipeline and resident keys are exercised.
 """
 
 import jax
@@ -23,7 +24,9 @@ from pallas_kernels.gdpa.reference import apply_activation
 from tests.pallas_kernels import attention_cases as cases
 
 
-def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
+def _check_case(
+  q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, interpret, **kw
+):
   q_off, kv_off = cases.offsets(q_lens), cases.offsets(kv_lens)
   t = int(q_off[-1]) + tail
   s = int(kv_off[-1]) + tail
@@ -36,8 +39,9 @@ def _check_case(q_lens, kv_lens, *, n, kh, h, dtype, tail, seed, **kw):
 
   def ours(q, k, v):
     return gdpa_mosaic(
-      q, k, v, q_off, kv_off, block_sizes=block_sizes, **bounds, **kw
-    )
+      q, k, v, q_off, kv_off, block_sizes=block_sizes, interpret=interpret,
+      **bounds, **kw,
+    )  # fmt: skip
 
   def ref(q, k, v):
     kw_ref = {a: b for a, b in kw.items() if a != "tanh"}
@@ -147,7 +151,7 @@ CROSS_CASES = {
 
 
 @pytest.mark.parametrize("case", CROSS_CASES)
-def test_cross_attention_interpret(monkeypatch, case):
+def test_cross_attention(monkeypatch, case, interpret):
   q_lens, kv_lens, n, kh, h, activation, bs, key_tiles = CROSS_CASES[case]
   seen = []
   kernel = fwd.query_kernel
@@ -168,6 +172,7 @@ def test_cross_attention_interpret(monkeypatch, case):
     seed=sorted(CROSS_CASES).index(case),
     activation=activation,
     block_sizes=bs,
+    interpret=interpret,
   )
   assert seen == key_tiles
 
@@ -195,7 +200,7 @@ def test_key_tile_and_query_layout_choice():
 @pytest.mark.parametrize(
   "block_sizes", [RECOMPUTE_DQ, SPLIT], ids=["streamed", "split_keys"]
 )
-def test_pooled_attention_gelu_tanh_interpret(block_sizes):
+def test_pooled_attention_gelu_tanh(block_sizes, interpret):
   # Pooled shape: a few (learned) queries over long histories, 130 keys =
   # three 64-row key tiles, more than the 2-stage ring holds (streamed,
   # not resident). Default scale on unit-normal inputs puts the GELU
@@ -219,10 +224,11 @@ def test_pooled_attention_gelu_tanh_interpret(block_sizes):
     activation="gelu_tanh",
     tanh="poly",
     block_sizes=block_sizes,
+    interpret=interpret,
   )
 
 
-def test_pooled_attention_folds_heads_into_rows_interpret(monkeypatch):
+def test_pooled_attention_folds_heads_into_rows(monkeypatch, interpret):
   # 4 query heads per KV head and at most 16 queries per sequence: the op
   # folds the group into rows (`fold_factor` 4: one 64-row tile per
   # sequence and KV head). Lengths 16 (a full folded tile), 1, 0 and 5;
@@ -240,6 +246,7 @@ def test_pooled_attention_folds_heads_into_rows_interpret(monkeypatch):
     activation="silu",
     normalize="hstu",
     block_sizes=mg.BlockSizes(num_sms=2, deal_chunk=2),
+    interpret=interpret,
   )
   assert folds == [4]
 
@@ -257,8 +264,8 @@ def test_pooled_attention_folds_heads_into_rows_interpret(monkeypatch):
   ],
   ids=["from_ds", "long_keys_fused"],
 )
-def test_self_attention_silu_hstu_odd_group_interpret(
-  monkeypatch, lens, dtype, block_sizes, path
+def test_self_attention_silu_hstu_odd_group(
+  monkeypatch, lens, dtype, block_sizes, path, interpret
 ):
   # HSTU-style silu(x)/N self-attention (the 1/N inside dS), 3 query heads
   # per KV head (one head per CTA); lengths 0 and 1 share the buffer with
@@ -282,6 +289,7 @@ def test_self_attention_silu_hstu_odd_group_interpret(
     activation="silu",
     normalize="hstu",
     block_sizes=block_sizes,
+    interpret=interpret,
   )
   assert paths == [path]
 
@@ -432,11 +440,6 @@ def test_dispatch():
     gdpa(x, x[:, :1], x[:, :1], off, off, activation="relu")
 
 
-# Real compilation on the H200 (`pytest -m gpu`), the seed's shapes; the
-# "cross_fused" ones with dQ added by the dK/dV kernel through TMA
-# reduce-add (which interpret mode replaces by per-item slices) where the
-# default reads it back from dS^T (pooled and self-attention take it by
-# default).
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "shape,activation,normalize,h",
@@ -449,7 +452,12 @@ def test_dispatch():
     ("self", "gelu", None, 128),
   ],
 )
-def test_gpu_matches_reference(shape, activation, normalize, h):
+def test_gpu_real_shapes(shape, activation, normalize, h):
+  """Compiled at the seed's shapes (12 sequences of up to 2,048 queries or
+  keys, 8 heads), far too slow to interpret, with the default settings;
+  "cross_fused" adds dQ by the dK/dV kernel through TMA reduce-add (which
+  interpret mode replaces by per-item slices) where the default reads it
+  back from dS^T (pooled and self-attention take it by default)."""
   rng = np.random.default_rng(h + len(shape) + len(activation))
   b = 12
   bs = mg.BlockSizes(dq_fused=True) if shape == "cross_fused" else None
@@ -475,6 +483,7 @@ def test_gpu_matches_reference(shape, activation, normalize, h):
     activation=activation,
     normalize=normalize,
     block_sizes=bs,
+    interpret=False,
   )
 
 

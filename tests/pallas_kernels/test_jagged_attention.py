@@ -1,15 +1,17 @@
 """Jagged attention: Mosaic GPU kernels against the plain-jnp reference.
 
-On CPU the kernels run under Pallas's GPU interpret mode (slow, so shapes are
-tiny but keep every edge case: empty sequences, length 1, lengths that are
-not a multiple of the tile or of the 8-row TMA alignment, one long sequence
+Every kernel case runs twice from one body (`conftest.py`'s `interpret`):
+under Pallas's GPU interpret mode on the CPU (slow, so shapes are tiny but
+keep every edge case: empty sequences, length 1, lengths that are not a
+multiple of the tile or of the 8-row TMA alignment, one long sequence
 among short ones, the buffer tail, cross-attention with empty key or query
-sides, GQA with even and odd groups). `-m gpu` reruns them compiled at real
-shapes on the H200.
+sides, GQA with even and odd groups), and compiled under `-m gpu` on the
+H200, which adds real shapes (`test_gpu_real_shapes`).
 """
 
+import functools
+
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,6 +64,7 @@ def _check_case(
   seed,
   block_sizes=None,
   window=None,
+  interpret=True,
 ):
   q_off = cases.offsets(q_lens)
   kv_off = q_off if kv_lens is None else cases.offsets(kv_lens)
@@ -73,6 +76,7 @@ def _check_case(
     *(q, k, v, do, q_off, kv_off, causal),
     block_sizes=block_sizes,
     window=window,
+    interpret=interpret,
   )
   with jax.default_matmul_precision("highest"):  # no TF32 in the oracle
     want = _fwd_bwd(
@@ -107,7 +111,7 @@ def _check_case(
 SELF_LENS = [70, 0, 1, 130, 9]
 
 
-def _check_self(seed, block_sizes, causal=True, window=None):
+def _check_self(seed, block_sizes, interpret, causal=True, window=None):
   """Self-attention over `SELF_LENS`, 2 heads over 1 KV head, D=64, fp16."""
   _check_case(
     SELF_LENS,
@@ -121,6 +125,7 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     seed=seed,
     block_sizes=block_sizes,
     window=window,
+    interpret=interpret,
   )
 
 
@@ -147,7 +152,7 @@ def _check_self(seed, block_sizes, causal=True, window=None):
     "dq64-per-item-serial",
   ],
 )
-def test_causal_self_attention_interpret(block_sizes):
+def test_causal_self_attention(block_sizes, interpret):
   # Default: persistent forward (with one SM, one CTA walks every item: Q
   # prefetch, K/V ring and output stores run across item boundaries) and
   # the fused backward (dQ by reduce-add from the dK/dV kernel, in the
@@ -159,7 +164,7 @@ def test_causal_self_attention_interpret(block_sizes):
   # and side tiles, with 64 it builds its own; one forward CTA per item.
   # "overlap": the forward's software-pipelined key loop (head dim 128's
   # default): its first tile alone, the last tile's P V after the loop.
-  _check_self(1, block_sizes)
+  _check_self(1, block_sizes, interpret)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +176,7 @@ def test_causal_self_attention_interpret(block_sizes):
   ],
   ids=["heads_folded", "heads_apart-overlap", "window"],
 )
-def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
+def test_cross_attention_odd_group(block_sizes, window, monkeypatch, interpret):
   # Few candidate queries over a longer history (stage 2), with the same
   # edge cases on the key side: a sequence with keys but no queries (zero
   # dK/dV), one with queries but no keys (zero output), length 1, a long one;
@@ -193,6 +198,7 @@ def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
     seed=3,
     block_sizes=block_sizes,
     window=window,
+    interpret=interpret,
   )
   assert set(folds) == (set() if block_sizes or window else {3})
 
@@ -212,13 +218,13 @@ def test_cross_attention_odd_group_interpret(block_sizes, window, monkeypatch):
   ],
   ids=["w5-fused", "w70-causal-dq64", "w12-dq128-overlap"],
 )
-def test_sliding_window_interpret(window, causal, block_sizes):
+def test_sliding_window(window, causal, block_sizes, interpret):
   # A window narrower than a tile (rows of one query tile reach different
   # key tiles; some rows see no key of a tile they visit) and one wider,
   # causal, through the dQ kernel's 64-key steps (its own key range) or
   # its 128-key steps (the forward's); the sequence of 130 has query tiles
   # whose windows start past its first key tile.
-  _check_self(3, block_sizes, causal=causal, window=window)
+  _check_self(3, block_sizes, interpret, causal=causal, window=window)
 
 
 def test_window_reference_matches_banded_reference():
@@ -269,7 +275,7 @@ def _surplus_identity(s_x, z):
   ],
   ids=["fused", "dq128-overlap"],
 )
-def test_swapped_deal_interpret(bs):
+def test_swapped_deal(bs, interpret):
   # `q_deal_swaps`, `kv_deal_swaps`: items move between the persistent
   # CTAs of the forward, the dQ kernel (unfused, as head dim 128's default)
   # and the dK/dV kernel (three CTAs for these lengths; the deal is checked
@@ -293,12 +299,12 @@ def test_swapped_deal_interpret(bs):
     )
   _check_case(
     lens, None, n=2, kh=1, h=64, dtype=jnp.bfloat16, causal=False, tail=5,
-    seed=8, block_sizes=bs,
+    seed=8, block_sizes=bs, interpret=interpret,
   )  # fmt: skip
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, 6)])
-def test_forward_overlap_equals_ping_pong_interpret(causal, window):
+def test_forward_overlap_equals_ping_pong(causal, window, interpret):
   # The software-pipelined key loop (`fwd_overlap`) reorders when the
   # wgmmas run, not the arithmetic: same output and lse bit for bit, with
   # the causal diagonal and a window (every tile masked, some rows see no
@@ -315,7 +321,7 @@ def test_forward_overlap_equals_ping_pong_interpret(causal, window):
       causal=causal,
       scale=0.125,
       block_sizes=mg.BlockSizes(num_sms=1, fwd_overlap=overlap),
-      interpret=plgpu.InterpretGPUParams(),
+      interpret=mosaic.interpret_params(interpret),
       window=window,
     )
     # The op's forward rule, whose residuals hold the lse.
@@ -369,7 +375,7 @@ def test_surplus_subtraction_identity():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=0)
 
 
-def test_surplus_subtraction_kernel_interpret():
+def test_surplus_subtraction_kernel(interpret):
   # The kernel's zero-filled keys give score 0; make real scores either far
   # above 0 (the stabilized max removes the fill's weight) or all below 0
   # (the fill's 0 is the running max, the subtraction must be exact).
@@ -383,7 +389,9 @@ def test_surplus_subtraction_kernel_interpret():
   for shift in (40.0, -4.0):  # real scores ~ shift, in log2 units
     q = 0.1 * q0 + direction * (shift * np.sqrt(h) / np.log2(np.e))
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    got = jax.jit(lambda *a: jagged_attention_mosaic(*a, off))(q16, k16, v16)
+    got = jax.jit(
+      lambda *a: jagged_attention_mosaic(*a, off, interpret=interpret)
+    )(q16, k16, v16)
     want = jagged_attention_reference(
       *(x.astype(jnp.float32) for x in (q16, k16, v16)), off
     )
@@ -392,7 +400,7 @@ def test_surplus_subtraction_kernel_interpret():
     assert cases.rel_err(got, want) < cases.REL_TOL[jnp.bfloat16], shift
 
 
-def test_vmap_interpret():
+def test_vmap(interpret):
   # The model may vmap the op over a leading data-shard axis, gradients
   # included (the fused backward writes dQ into a `jax.new_ref` buffer,
   # which must be batched too).
@@ -406,9 +414,8 @@ def test_vmap_interpret():
     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, off, causal=True), q, k, v)
     return (o, *vjp(do))
 
-  got = jax.jit(jax.vmap(lambda *a: fwd_bwd(jagged_attention_mosaic, *a)))(
-    q, k, v, off, do
-  )
+  ours = functools.partial(jagged_attention_mosaic, interpret=interpret)
+  got = jax.jit(jax.vmap(lambda *a: fwd_bwd(ours, *a)))(q, k, v, off, do)
   for i in range(2):
     want = fwd_bwd(
       jagged_attention_reference,
@@ -560,7 +567,6 @@ def test_dispatch():
     mg.BlockSizes(kv_deal_swaps=-1)
 
 
-# Real compilation on the H200 (`pytest -m gpu`), realistic shapes.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "h,dtype,causal,cross,window,block_sizes",
@@ -589,7 +595,10 @@ def test_dispatch():
     "d128-causal-window200",
   ],
 )
-def test_gpu_matches_reference(h, dtype, causal, cross, window, block_sizes):
+def test_gpu_real_shapes(h, dtype, causal, cross, window, block_sizes):
+  """Compiled at real shapes (12 sequences of up to 2,048 rows, 8 heads),
+  far too slow to interpret: the kernels' default settings (tiles, SM
+  count, head dim 128's pipelines) over many tiles per CTA."""
   # In "d64-causal-fp16" the last sequence's last 64-row query tile ends 8
   # rows past the buffer: the fused backward's fp16 reduce-add into dQ
   # itself (no spare rows) relies on TMA dropping those rows.
@@ -616,4 +625,5 @@ def test_gpu_matches_reference(h, dtype, causal, cross, window, block_sizes):
     seed=11,
     window=window,
     block_sizes=block_sizes,
+    interpret=False,
   )

@@ -1,9 +1,11 @@
 """Fused RMSNorm (O11): Mosaic GPU kernels against the `jnp` reference.
 
-On CPU the kernels run under Pallas's GPU interpret mode at small shapes,
-with small tiles and few persistent blocks so that several tiles per block,
-the ring of buffers and a ragged last tile are all exercised. The `gpu`
-tests compile for real on the H200 at the benchmark's shapes.
+Every kernel case runs twice from one body (`conftest.py`'s `interpret`):
+under Pallas's GPU interpret mode on the CPU at small shapes, with small
+tiles and few persistent blocks so that several tiles per block, the ring
+of buffers and a ragged last tile are all exercised, and compiled under
+`-m gpu` on the H200, which adds the benchmark's shapes
+(`test_gpu_real_shapes`).
 """
 
 import dataclasses
@@ -112,15 +114,16 @@ VARIANTS = [(True, True), (False, True), (True, False), (False, False)]
   ],
 )
 def test_matches_reference(
-  t, d, block_rows, warps_per_row, direct, dtype, with_gamma, with_residual
-):
+  t, d, block_rows, warps_per_row, direct, dtype, with_gamma, with_residual,
+  interpret,
+):  # fmt: skip
   key = jax.random.key(t * 1000 + d)
   x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
   bs = _small(block_rows, warps_per_row, direct)
 
   def fn(x, g, r):
     return rms_norm_mosaic(
-      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=interpret
     )
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
@@ -139,7 +142,7 @@ def test_matches_reference(
     (101, 64, dict(block_rows=16, out_slots=3)),
   ],
 )
-def test_pipeline_variants(t, d, extra, with_gamma, with_residual):
+def test_pipeline_variants(t, d, extra, with_gamma, with_residual, interpret):
   key = jax.random.key(t * 7 + d)
   dtype = jnp.float32
   x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
@@ -147,7 +150,7 @@ def test_pipeline_variants(t, d, extra, with_gamma, with_residual):
 
   def fn(x, g, r):
     return rms_norm_mosaic(
-      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=interpret
     )
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
@@ -248,23 +251,25 @@ def test_wide_rows_default(t, d):
   assert cfg(num_blocks=132).num_blocks == min(132, t // rows)
 
 
-def test_wide_rows_default_matches_reference():
+def test_wide_rows_default_matches_reference(interpret):
   """The wide-row default (direct loads, 2 warps per row) on bf16 rows of
   2 KiB, several tiles per block, against the reference."""
   key = jax.random.key(11)
   x, g, r = _inputs(key, (40, 1024), jnp.bfloat16, True, True)
   bs = mosaic_gpu.BlockSizes(num_blocks=3)
   cfg = mosaic_gpu.make_config(
-    40, 1024, jnp.bfloat16, jnp.bfloat16, True, 1e-6, bs, True, bwd=False
-  )
+    40, 1024, jnp.bfloat16, jnp.bfloat16, True, 1e-6, bs, interpret,
+    bwd=False,
+  )  # fmt: skip
   assert cfg.direct_loads and cfg.warps_per_row == 2
 
   def fn(x, g, r):
-    return rms_norm_mosaic(x, g, r, fwd_block_sizes=bs, interpret=True)
+    return rms_norm_mosaic(x, g, r, fwd_block_sizes=bs, interpret=interpret)
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
 
 
+@pytest.mark.usefixtures("mode")  # "mosaic" interprets on the CPU only
 def test_qk_norm_shape_under_grad():
   """QK-norm: `[t, n, h]`, gamma `[h]`, through the public op and jax.grad."""
   t, n, h = 19, 4, 128
@@ -282,7 +287,7 @@ def test_qk_norm_shape_under_grad():
   assert _rel_err(got[1], want[1]) < _tol(jnp.bfloat16, t * n)
 
 
-def test_f32_gamma_with_bf16_activations():
+def test_f32_gamma_with_bf16_activations(interpret):
   """Parameters kept in f32, activations in bf16: dgamma comes back in f32."""
   t, d = 21, 512
   key = jax.random.key(11)
@@ -292,13 +297,13 @@ def test_f32_gamma_with_bf16_activations():
 
   def fn(x, g, r):
     return rms_norm_mosaic(
-      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=interpret
     )
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
 
 
-def test_vmap_over_shards_with_shared_gamma():
+def test_vmap_over_shards_with_shared_gamma(interpret):
   """A leading shard axis under vmap; gamma shared, its gradient summed."""
   s, t, d = 2, 21, 64
   key = jax.random.key(3)
@@ -308,25 +313,30 @@ def test_vmap_over_shards_with_shared_gamma():
   def fn(x, g, r):
     per_shard = jax.vmap(
       lambda x, r: rms_norm_mosaic(
-        x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=True
-      )
+        x,
+        g,
+        r,
+        fwd_block_sizes=bs,
+        bwd_block_sizes=bs,
+        interpret=interpret,
+      )  # fmt: skip
     )
     return per_shard(x, r)
 
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.float32)
 
 
-def test_no_rows_and_unsupported_width_fall_back():
+def test_no_rows_and_unsupported_width_fall_back(interpret):
   x = jnp.zeros((0, 64), jnp.bfloat16)
-  assert rms_norm_mosaic(x, interpret=True).shape == (0, 64)
+  assert rms_norm_mosaic(x, interpret=interpret).shape == (0, 64)
   assert not mosaic_gpu.supported(96, jnp.bfloat16)
   x = jax.random.normal(jax.random.key(0), (5, 96))
   np.testing.assert_allclose(
-    rms_norm_mosaic(x, interpret=True), rms_norm_reference(x), rtol=1e-6
+    rms_norm_mosaic(x, interpret=interpret), rms_norm_reference(x), rtol=1e-6
   )
 
 
-def test_wide_rows_take_fewer_output_slots_or_the_reference():
+def test_wide_rows_take_fewer_output_slots_or_the_reference(interpret):
   """Rows too wide for the default buffers: fewer output slots (down to
   one) while one input stage fits, else the reference (`fits`). Before,
   such widths failed to compile on the GPU (over 227 KiB of SMEM)."""
@@ -352,11 +362,11 @@ def test_wide_rows_take_fewer_output_slots_or_the_reference():
     assert cfg.out_slots == slots
   key = jax.random.key(7)
   x, g, r = _inputs(key, (5, 8192), jnp.bfloat16, True, True)
-  fn = lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=True)
+  fn = lambda x, g, r: rms_norm_mosaic(x, g, r, interpret=interpret)
   _check(fn, x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
   x, g, r = _inputs(key, (3, 8192), jnp.float32, True, True)
   for a, b in zip(
-    rms_norm_mosaic(x, g, r, interpret=True),
+    rms_norm_mosaic(x, g, r, interpret=interpret),
     rms_norm_reference(x, g, r, eps=1e-6),
     strict=True,
   ):
@@ -397,9 +407,6 @@ def test_default_dispatch_on_cpu_is_xla():
   )
 
 
-# --- Real compilation on the H200 (`pytest -m gpu`) -------------------------
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "shape,with_gamma,with_residual,extra",
@@ -424,7 +431,11 @@ def test_default_dispatch_on_cpu_is_xla():
     ((16_384 + 5, 4096), True, True, "f32"),
   ],
 )
-def test_gpu_matches_reference(shape, with_gamma, with_residual, extra):
+def test_gpu_real_shapes(shape, with_gamma, with_residual, extra):
+  """Compiled at the benchmark's shapes (up to 262,181 rows), far too slow
+  to interpret, with the default settings (or the named pipeline
+  variants): ragged tails where rows past `t` hold stale shared memory,
+  every wide-row and store path the defaults pick at these widths."""
   key = jax.random.key(shape[0])
   dtype = jnp.float32 if extra == "f32" else jnp.bfloat16
   extra = None if extra == "f32" else extra
@@ -439,10 +450,9 @@ def test_gpu_matches_reference(shape, with_gamma, with_residual, extra):
   _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=dtype)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("t", [37, 5])
-def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t, direct):
+def test_stale_rows_of_last_tile_stay_out_of_dgamma(t, direct, interpret):
   """One block, two buffers: the ragged last tile reuses the buffer of tile
   0, so its rows past `t` hold real (stale) data that must not reach dgamma.
   """
@@ -454,7 +464,7 @@ def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t, direct):
 
   def fn(x, g, r):
     return rms_norm_mosaic(
-      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=False
+      x, g, r, fwd_block_sizes=bs, bwd_block_sizes=bs, interpret=interpret
     )
 
   _check(jax.jit(fn), x, g, r, jax.random.fold_in(key, 1), dtype=jnp.bfloat16)
@@ -462,6 +472,8 @@ def test_gpu_stale_rows_of_last_tile_stay_out_of_dgamma(t, direct):
 
 @pytest.mark.gpu
 def test_gpu_default_is_mosaic():
+  """On a Hopper GPU the public op's default is the kernel (on the CPU it
+  is the reference: `test_default_dispatch_on_cpu_is_xla`)."""
   x = jax.random.normal(jax.random.key(2), (1000, 512), jnp.bfloat16)
   hlo = jax.jit(pallas_kernels.rms_norm).lower(x).as_text()
   assert "mosaic_gpu" in hlo

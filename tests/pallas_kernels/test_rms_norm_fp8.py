@@ -1,10 +1,12 @@
 """RMSNorm with a fused FP8 output (O11 + G4): kernel against the reference.
 
 `rms_norm(..., quantize=...)` returns the normalized output `y` as an
-`Fp8Tensor` whose `source` is `y`. Checked here, on CPU in GPU interpret
-mode at small shapes (ragged tails, one row, several tiles per block,
-scales leaving transposed or not, rows split over two warps), and on the
-H200 at the benchmark widths (`-m gpu`):
+`Fp8Tensor` whose `source` is `y`. Every kernel case runs twice from one
+body (`conftest.py`'s `interpret`): in GPU interpret mode on the CPU at
+small shapes (ragged tails, one row, several tiles per block, scales
+leaving transposed or not, rows split over two warps), and compiled under
+`-m gpu` on the H200, which adds the benchmark widths
+(`test_gpu_real_shapes`). Checked:
 
 - the fused kernel's values and scales are bit-identical to
   `fp8.quantize` of the `y` it returns (round to nearest even: the
@@ -66,7 +68,7 @@ def _small(block_rows):
   return mosaic_gpu.BlockSizes(block_rows=block_rows, num_blocks=2, stages=2)
 
 
-def _mosaic(bs, quantize="deepseek"):
+def _mosaic(bs, interpret, quantize="deepseek"):
   def fn(x, g, r):
     return rms_norm_mosaic(
       x,
@@ -75,7 +77,7 @@ def _mosaic(bs, quantize="deepseek"):
       quantize=quantize,
       fwd_block_sizes=bs,
       bwd_block_sizes=bs,
-      interpret=True,
+      interpret=interpret,
     )
 
   return fn
@@ -132,7 +134,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
   ],
 )
 def test_fused_output_matches_reference(
-  t, d, block_rows, dtype, with_gamma, with_residual, wpr
+  t, d, block_rows, dtype, with_gamma, with_residual, wpr, interpret
 ):
   key = jax.random.key(t * 1000 + d)
   x, g, r = _inputs(key, (t, d), dtype, with_gamma, with_residual)
@@ -141,11 +143,11 @@ def test_fused_output_matches_reference(
     bs = dataclasses.replace(bs, warps_per_row=wpr)
     gamma_dtype = dtype if with_gamma else None
     cfg = mosaic_gpu.make_config(
-      t, d, dtype, gamma_dtype, with_residual, 1e-6, bs, True, bwd=False,
-      quantize=True,
+      t, d, dtype, gamma_dtype, with_residual, 1e-6, bs, interpret,
+      bwd=False, quantize=True,
     )  # fmt: skip
     assert cfg.warps_per_row == wpr and cfg.block_rows == block_rows
-  fn = _mosaic(bs)
+  fn = _mosaic(bs, interpret)
   yq, h = _split(fn(x, g, r), with_residual)
   y_ref, h_ref = _split(rms_norm_reference(x, g, r), with_residual)
   assert yq.block == (1, 128) and yq.scales.shape == (t, d // 128)
@@ -155,7 +157,7 @@ def test_fused_output_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_gradients_through_an_fp8_matmul(dtype):
+def test_gradients_through_an_fp8_matmul(dtype, interpret):
   """norm -> FP8 matmul reading the quantized output -> loss: the VJP of
   x, gamma and residual match the reference path (norm + quantize by
   `fp8.quantize`, the same FP8 product)."""
@@ -174,7 +176,7 @@ def test_gradients_through_an_fp8_matmul(dtype):
     )
     return jnp.sum(out * c) + jnp.sum(h.astype(jnp.float32) * c_h)
 
-  fused = _mosaic(_small(8))
+  fused = _mosaic(_small(8), interpret)
 
   def ref(x, g, r):
     return rms_norm_reference(x, g, r, quantize="deepseek")
@@ -198,10 +200,10 @@ def test_gradients_through_an_fp8_matmul(dtype):
     ("deepseek", 64),  # narrower than one 1x128 block
   ],
 )
-def test_unfused_settings_quantize_the_kernel_output(quantize, d):
+def test_unfused_settings_quantize_the_kernel_output(quantize, d, interpret):
   t = 37
   x, g, r = _inputs(jax.random.key(d), (t, d), jnp.bfloat16, True, True)
-  yq, h = _mosaic(_small(8 if d > 64 else 16), quantize)(x, g, r)
+  yq, h = _mosaic(_small(8 if d > 64 else 16), interpret, quantize)(x, g, r)
   q = Fp8Output(format=quantize) if isinstance(quantize, str) else quantize
   assert yq.block == q.activation_block and yq.hadamard == q.hadamard
   again = fp8.quantize(
@@ -218,13 +220,18 @@ def test_unfused_settings_quantize_the_kernel_output(quantize, d):
   assert _rel_err(h, h_ref) < _tol(jnp.bfloat16, d)
 
 
-def test_leading_axes_and_public_dispatch():
-  """`[b, t, d]` input, and `pallas_kernels.rms_norm` on CPU (the XLA
-  reference): an `Fp8Tensor` of the logical shape, the old API unchanged."""
+def test_leading_axes(interpret):
+  """`[b, t, d]` input: an `Fp8Tensor` of the logical shape."""
   x, g, _ = _inputs(jax.random.key(9), (2, 19, 256), jnp.bfloat16, True, False)
-  yq = _mosaic(_small(8))(x, g, None)
+  yq = _mosaic(_small(8), interpret)(x, g, None)
   assert yq.shape == (2, 19, 256) and yq.scales.shape == (38, 2)
   _check_quantized_output(yq, rms_norm_reference(x, g), jnp.bfloat16, 256)
+
+
+def test_public_dispatch_on_cpu():
+  """`pallas_kernels.rms_norm` on CPU (the XLA reference): an `Fp8Tensor`
+  of the logical shape, the old API unchanged."""
+  x, g, _ = _inputs(jax.random.key(9), (2, 19, 256), jnp.bfloat16, True, False)
   public = pallas_kernels.rms_norm(x, g, quantize="deepseek")
   ref = rms_norm_reference(x, g, quantize="deepseek")
   np.testing.assert_array_equal(_f32(public.values), _f32(ref.values))
@@ -250,14 +257,13 @@ def test_fused_config_and_errors():
     pallas_kernels.rms_norm(jnp.ones((2, 128)), quantize=3)
 
 
-# --- Real compilation on the H200 (`pytest -m gpu`) -------------------------
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   "shape", [(262_144 + 37, 512), (65_536 + 3, 2048), (16_384 + 5, 4096)]
 )
-def test_gpu_fused_output(shape):
+def test_gpu_real_shapes(shape):
+  """Compiled at the benchmark widths (up to 262,181 rows), far too slow to
+  interpret, with the default settings."""
   key = jax.random.key(shape[0])
   x, g, r = _inputs(key, shape, jnp.bfloat16, True, True)
 
