@@ -77,14 +77,9 @@ def device_time(
   a fixed cost: the first call's dispatch before the device starts, and
   the wake-up after the last. So each repeat times a batch of `calls` and
   one of `2 * calls`, and takes the difference per added call, which is
-  free of that cost; the median over `repeats` is returned.
-
-  On the H200 machine (2026-12-01) a 4-set GDPA forward timed 354.5 us a
-  call as the mean of one batch of 20 and 334.5 us of one batch of 100,
-  against 330 us of device work in its trace (kernels plus the gaps
-  between them): a fixed cost of about 0.5 ms a batch fits both
-  (`(354.5 - 334.5) us = C (1/20 - 1/100)`). Which tables were timed the
-  earlier way (one batch's mean) is said in docs/benchmarks_history.md.
+  free of that cost; the median over `repeats` is returned. On the H200
+  that cost is about 0.5 ms a batch (the measurement, and which records
+  were timed the earlier way, one batch's mean: docs/benchmarks_method.md).
 
   A program whose host dispatch is slower than its device work would be
   timed at the host's rate. `method` says how to time: "clock" (the
@@ -219,18 +214,11 @@ def time_interleaved(
   rotated from round to round.
 
   Timing one program's batches and then the other's compares them at
-  different clock states. On the H200 a sustained FP8 GEMM heats the chip
-  and runs slower within seconds (16384x4096x4096 forward, 2026-11-30:
-  0.575 ms in the first batch, 0.639 ms in the seventh, while cuBLAS bf16
-  beside it stayed at 0.69-0.73 ms), so which came first moved their
-  ratio from 1.22x to 1.35x between batches of calls. Dense attention
-  reaches the board's 700 W power cap (jagged attention's D=128 log-normal
-  fwd+bwd, 2026-12-02, `nvidia-smi` polled every 50 ms: 680-690 W, SM
-  clock 1,740 MHz median against its 1,980 MHz maximum, throttle reason
-  "software power cap"; cuDNN's padded program 1,785 MHz), so it too runs
-  slower in a timed batch than in a short trace (6,191 against 5,403 us a
-  call; cuDNN 7,270 against 6,543). Alternating gives every run the same
-  mix of states.
+  different clock states: on the H200 a sustained FP8 GEMM heats the chip
+  and slows within seconds, and dense attention runs at the board's 700 W
+  power cap with its SM clock lowered (the measurements:
+  docs/benchmarks_method.md). Alternating gives every run the same mix of
+  states.
 
   All runs are timed by one method, decided before the rounds
   (`timing_method`): the clock, or, if any run is host-bound, traces for

@@ -31,21 +31,20 @@ in our forward and backwards and in cuBLAS bf16's, from a profiler trace
 (`parts`; results in `fp8_matmul_parts.json`).
 
 Timing: a measurement is `common.device_time` over back-to-back calls (inputs
-rotated between two sets), so launch gaps overlap: since 2026-12-01 the
-difference between batches of 20 and of 10 calls, free of a batch's fixed cost
-(rows dated earlier, the 32x32-format quantizers', hold means over one batch of
-10). Each of our forward and backward figures, and each XLA fp8 baseline, is
-timed in alternation with cuBLAS bf16 on the same shape (`_time_vs`,
-`common.time_interleaved`: 7 rounds, medians), and its ratio is taken against
-that paired cuBLAS time: FP8 GEMMs slow down as the chip heats within seconds,
-so timing one after the other moved the ratio from 1.22x to 1.35x at
-16384x4096x4096. Other figures are the median of 7 repeats (`_time`). The
-memory-bound kernels (quantize, compared with the copy bandwidth) run four
-distinct inputs per call in batches of 30 and 60 calls (`_time_mem`): with 10
-calls, a batch's fixed overhead (~70 us on the H200) added ~7 us to a 60 us
-call, and with one input per call the host's ~32 us dispatch bounded the narrow
-shapes' ~28 us kernels. The 1 GiB copy ceiling (0.5 ms per call) reads the same
-with one or two copies per call.
+rotated between two sets), so launch gaps overlap: the difference between
+batches of 20 and of 10 calls, free of a batch's fixed cost (some older rows
+hold means over one batch of 10: docs/benchmarks_method.md). Each of our forward
+and backward figures, and each XLA fp8 baseline, is timed in alternation with
+cuBLAS bf16 on the same shape (`_time_vs`, `common.time_interleaved`: 7 rounds,
+medians), and its ratio is taken against that paired cuBLAS time: FP8 GEMMs slow
+down as the chip heats within seconds, so timing one after the other moved the
+ratio from 1.22x to 1.35x at 16384x4096x4096. Other figures are the median of 7
+repeats (`_time`). The memory-bound kernels (quantize, compared with the copy
+bandwidth) run four distinct inputs per call in batches of 30 and 60 calls
+(`_time_mem`): with 10 calls, a batch's fixed overhead (~70 us on the H200)
+added ~7 us to a 60 us call, and with one input per call the host's ~32 us
+dispatch bounded the narrow shapes' ~28 us kernels. The 1 GiB copy ceiling (0.5
+ms per call) reads the same with one or two copies per call.
 """
 
 import argparse
@@ -158,9 +157,7 @@ def _time_mem(fn, arg_sets) -> float:
   in one jitted call (`common.all_sets`), 30 calls queued. One input per
   call timed the host instead at the narrow shapes: a 64 MiB input is
   quantized in ~28 us, under the ~32 us the host takes to dispatch one
-  call (H200, 2026-11-30: 1x128 at 65536x512 40.3 us per call with one
-  input, 30.5 us per input with four, 26.7-28.6 us per kernel in a
-  profile; the 1 GiB copy ceiling reads the same either way, 515 us)."""
+  call (the measurement: docs/kernels/fp8.md)."""
   sec = common.device_time(common.all_sets(fn), [(arg_sets,)], calls=30)
   return sec / len(arg_sets)
 

@@ -256,16 +256,8 @@ def run_case(h, mix, rng, args, records, extra):
 
 
 # Variants beside each head dim's default (`BlockSizes.default`), timed
-# forward + backward; none left to time. Measured (notes, sessions 2-6):
-# one CTA per item in the backward kernels (+3.7% D128, +0.9% D64; now
-# always persistent), the fused backward at D128 (+23% with both
-# persistent), at D64 a ready/free dS hand-off, the dQ zero fill inside
-# the delta kernel (both no change; removed) and a 3-stage backward ring
-# (+2.5%), the serial backward step (+4% D128, +8% D64), 240/24 registers
-# (+3% D128, -1% D64), the fused own-half dQ (removed), the non-persistent
-# forward, plain dQ staging; at D=128 block_kv 64, a 3-stage ring and dQ
-# key block 128 (slower, over shared memory, over shared memory); at D=64
-# the unfused backward (5% slower).
+# forward + backward; none left to time (those measured, and what became
+# of them: docs/kernels/jagged_attention.md).
 TUNE = {128: [], 64: []}
 
 
@@ -304,10 +296,10 @@ def profile(case, ours, sets, extra, out):
   GPU profiler (`mosaic.profiling`; the jagged kernels mark each work item
   a region), compiled first, then run once right after half a second of
   calls of the plain program, so the chip is warm when the profiled
-  kernels write their traces (on their first run; profiled right after
-  compiling on 2026-12-02, the kernels' spans read about 1.7x their timed
-  figures, from a cool chip or the profiler, not told apart). GPU only:
-  interpret mode has no profiler."""
+  kernels write their traces (profiled right after compiling, on their
+  first run, the spans read about 1.7x the timed figures;
+  docs/kernels/jagged_attention.md). GPU only: interpret mode has no
+  profiler."""
   if INTERPRET is not None:
     print(f"{case}: --profile needs a GPU (interpret mode has no profiler)")
     return

@@ -55,10 +55,8 @@ INTERPRET = False  # --small on CPU: GPU interpret mode, tiny shapes
 DTYPE = jnp.bfloat16
 GOAL_SPEEDUP = 1.2
 # Tile settings tried by --sweep: (pass, (block_rows, warps_per_row, stages,
-# num_blocks, direct_stores)). 264 blocks = 2 per SM. An earlier sweep of the
-# bulk-copy stores (H200, 2026-11-29) found the forward flat within 3% over
-# rows 8-32, stages 1-6 and 1-2 blocks per SM, and the D=2048 backward at
-# 1.76 ms with 64 values per thread (spills) against 1.03 ms with 32.
+# num_blocks, direct_stores)). 264 blocks = 2 per SM. (Earlier sweeps:
+# docs/kernels/rms_norm.md.)
 SWEEP = {
   512: [
     ("fwd", (16, 1, 2, 132, True)),
@@ -185,18 +183,8 @@ def check(c: Case) -> dict:
 B = mg.BlockSizes
 F, FB = ("fwd",), ("fwd", "bwd")
 # Pipeline variants timed by --variants, recorded as their own impls:
-# name -> (BlockSizes, passes). Run 3 (H200, 2026-11-30) also timed, at
-# 2 output slots and 4 stages: PDL and balanced tiles within 0.5% each,
-# L2 evict_first stores +-1%, contiguous tiles +1% (both since removed from
-# BlockSizes), direct loads 264 blocks
-# -1% at D=512 and 132 blocks -1% at D=2048 (132 at D=512: +16%), 32 KiB
-# tiles and 2 blocks per SM within 0.3%; 4 output slots + 2 stages -3% at
-# D=512. Run 4 (this list): the 3% is the 2 stages (2, 3, 4 or 6 output
-# slots alike; 3 or 4 stages slower), now the forward's default; direct
-# loads at D=2048 -1% again; PDL slows the D=512 backward by 2.4% (now off
-# there). 2026-12-01 (a development run): over rows of 2-4 KiB, direct
-# loads with 2 warps per row, 8 KiB tiles and 2 blocks per SM, now the
-# forward's default there (`mosaic_gpu._wide_rows`).
+# name -> (BlockSizes, passes). What the runs of earlier lists found, and
+# which variants became defaults: docs/kernels/rms_norm.md.
 VARIANTS = {
   "SMEM ring (the default over 1 KiB rows)": (B(direct_loads=False), F),
   "ring, 2 output slots, 4 stages (run 3 default)": (

@@ -18,8 +18,7 @@ NOTEBOOKS = sorted(
 def test_notebook_runs(path, tmp_path, monkeypatch):
   # The kernel is a fresh process: 8 CPU devices as in the suite, but with
   # XLA:CPU's LLVM optimizations at level 1, since the quickstart's 20
-  # training steps outweigh the compile time they add (2-core machine,
-  # 2026-12-04: 50.6 s against 65.9 s, 69 s of CPU against 100 s).
+  # training steps outweigh the compile time they add (docs/test_suite.md).
   monkeypatch.setenv(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 "

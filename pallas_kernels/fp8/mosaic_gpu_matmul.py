@@ -74,11 +74,12 @@ leave a third of the SMs idle, so split-K products take whichever tile
 fills the chip better (`split_k_plan`).
 
 Quantizing `a` in the kernel (`quantizing_matmul_mgpu`, the same product
-with `a` arriving as bf16): `mosaic_gpu_quantizing_matmul.py`.
+with `a` arriving as bf16): `mosaic_gpu_quantizing_matmul.py`. The
+promotion, the epilogue and `row_start`, which the two GEMMs share:
+`mosaic_gpu.py`.
 """
 
 import dataclasses
-import enum
 import functools
 
 import jax
@@ -88,17 +89,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic
+from pallas_kernels.fp8.mosaic_gpu import (
+  ROW,
+  Dim,
+  epilogue_smem,
+  promote_block,
+  row_start,
+  store_tile,
+)
 
 # Longest per-tile k loop whose pipeline is chained to the next tile's.
 _CHAIN_MAX_K_STEPS = 16
-
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-
-
-class Dim(enum.IntEnum):
-  M = 0
-  N = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,67 +289,6 @@ def split_k_plan(
   return best[0], best[1]
 
 
-def _promote(acc, p, ra, sb_cols, n0, tile_m: int, tile_n: int, uniform: bool):
-  """`acc` plus one k-block's product `p` (`[tile_m, tile_n]`, wgmma
-  layout) scaled by the row scales `ra` (wgmma row layout) times the
-  weight scales of columns `n0 ..` of `sb_cols` (a 1-D smem ref).
-  `uniform` (128 x 128 weight blocks: one scale for all of a warpgroup's
-  columns) folds that scale into the row scales, so the promotion is one
-  FMA per element; the first `tile_m` entries are read as a row vector,
-  which needs `tile_m <= tile_n`."""
-  if uniform and tile_m <= tile_n:
-    cs = plgpu.load(sb_cols.at[pl.ds(n0, tile_m)], layout=_ROW)
-    return acc + p * lax.broadcast_in_dim(ra * cs, (tile_m, tile_n), [0])
-  cb = plgpu.load(sb_cols.at[pl.ds(n0, tile_n)], layout=_COL)
-  scale = lax.broadcast_in_dim(
-    ra, (tile_m, tile_n), [0]
-  ) * lax.broadcast_in_dim(cb, (tile_m, tile_n), [1])
-  return acc + p * scale
-
-
-def row_start(m_idx, cta_m: int, m: int):
-  """First row of row tile `m_idx`: `m_idx * cta_m`, except that a tile
-  that would run past `m` (a multiple of 8, at least `cta_m`) ends at `m`
-  instead, overlapping the tile before it. Its overlapping rows are
-  computed twice, in the same order, and stored twice with the same
-  values; no operand is padded and nothing is sliced off the output."""
-  return pl.multiple_of(jnp.minimum(m_idx * cta_m, m - cta_m), 8)
-
-
-def _store_tile(acc, out_smem, out_gmem, bs: BlockSizes):
-  """A warpgroup's `tile_m x tile_n` f32 accumulator to `out_gmem` (its
-  tile's window) through `out_smem` (`[slots, epi_m, epi_n]`), by TMA."""
-  acc = acc.astype(out_gmem.dtype)
-  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for mi in range(bs.tile_m // epi_m):
-    for ni in range(bs.tile_n // epi_n):
-      ms = slice(mi * epi_m, (mi + 1) * epi_m)
-      ns = slice(ni * epi_n, (ni + 1) * epi_n)
-      slot = (mi * (bs.tile_n // epi_n) + ni) % out_smem.shape[0]
-      # This slot's previous store must have read it.
-      plgpu.wait_smem_to_gmem(out_smem.shape[0] - 1, wait_read_only=True)
-      out_smem[slot] = acc[ms, ns]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[ms, ns])
-
-
-def _out_smem(bs: BlockSizes, out_dtype, wgs: int = 2):
-  """Epilogue staging: two slots for each of `wgs` compute warpgroups (one
-  if a tile is a single epilogue tile), swizzled for the TMA store."""
-  epi_m, epi_n = bs.epi_tile_m, bs.epi_tile_n
-  itemsize = jnp.dtype(out_dtype).itemsize
-  swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
-  transforms = (
-    plgpu.TilingTransform((8, swizzle // itemsize)),
-    plgpu.SwizzleTransform(swizzle),
-  )
-  slots = min(2, bs.tile_m * bs.tile_n // (epi_m * epi_n))
-  return plgpu.SMEM(
-    (wgs, slots, epi_m, epi_n), out_dtype, transforms=transforms
-  )
-
-
 def _kernel(
   a_gmem,
   b_gmem,
@@ -434,7 +374,7 @@ def _kernel(
     pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
       a_gmem, b_gmem, sa_gmem, sb_gmem
     ),
-    out_smem=_out_smem(bs, out_dtype, bs.compute_wgs),
+    out_smem=epilogue_smem(bs, out_dtype, bs.compute_wgs),
     collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem):
@@ -471,7 +411,7 @@ def _kernel(
           jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA
         )
         acc = eval_pipeline(acc0)
-        _store_tile(
+        store_tile(
           acc,
           out_smem.at[wg_idx],
           out.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n],
@@ -479,8 +419,8 @@ def _kernel(
         )
 
       def promote(acc, p, j, sa_smem, sb_smem):
-        ra = plgpu.load(sa_smem.at[j, wg_m], layout=_ROW)
-        return _promote(
+        ra = plgpu.load(sa_smem.at[j, wg_m], layout=ROW)
+        return promote_block(
           acc, p, ra, sb_smem.at[j], wg_n0, tile_m, tile_n, b_scale_uniform
         )
 

@@ -56,7 +56,9 @@ moved in ~28 us, where launch and ramp weigh. The runs behind this and the
 defaults below: docs/kernels/fp8.md.
 
 Transposed (`transpose_quantize_mgpu`, `x^T` quantized along the rows of
-`x`): `mosaic_gpu_transpose_quantize.py`.
+`x`): `mosaic_gpu_transpose_quantize.py`. The tile size and the scaling and
+rounding of a tile (`quantize_chunk`), which that kernel and the quantizing
+GEMM share: `mosaic_gpu.py`.
 """
 
 import functools
@@ -69,11 +71,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fmt
+from pallas_kernels.fp8.mosaic_gpu import (
+  COL,
+  ROW,
+  TILE_C,
+  TILE_R,
+  bcast_rows,
+  quantize_chunk,
+  steps_per_program,
+)
 
-TILE_R = 64
-TILE_C = 128
-# e4m3 tiles as an 8-bit wgmma reads them (also the FP8 matmul's).
-F8_TILES = (plgpu.TilingTransform((8, 128)), mosaic.SWIZZLE)
 # Default configurations (see `quantize_mgpu`), the best of the H200 sweep
 # at 16384 x 4096 (`benchmarks/fp8_matmul.py --quant-sweep`; fraction of
 # the copy bandwidth):
@@ -101,53 +108,6 @@ def default_config(block, hadamard) -> dict:
 SUPPORTED_BLOCKS = ((32, 32), (1, 128))
 SUPPORTED_HADAMARD = (None, 32, 64, 128)
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-
-
-def _bcast_rows(v, shape):
-  return lax.broadcast_in_dim(v, shape, [0])
-
-
-def quantize_chunk(
-  y, amax, *, sr: bool = False, seed_b=None, row0=0, col0=0, n_cols=0
-):
-  """Scale, round and cast one `[64, w]` f32 chunk in a wgmma layout (the
-  16-bit one, or the 8-bit one of `quantize_rows`) whose blocks' maxima
-  are `amax` (one per row); returns (e4m3, scale). With `sr` (16-bit
-  layout only: the positions' iotas are built in it), stochastic rounding
-  by the bits of each element's `(row, col)` position (offset by `row0`,
-  `col0`) in an `n_cols`-wide matrix and the hashed seed `seed_b`."""
-  scale, inv = fmt.pow2_scale(amax)
-  y = y * _bcast_rows(inv, y.shape)
-  if sr:
-    rows = plgpu.broadcasted_iota(
-      jnp.int32, y.shape, 0, layout=plgpu.Layout.WGMMA
-    )
-    cols = plgpu.broadcasted_iota(
-      jnp.int32, y.shape, 1, layout=plgpu.Layout.WGMMA
-    )
-    bits = fmt.random_bits(seed_b, rows + row0, cols + col0, n_cols)
-    return fmt.round_e4m3(y, bits).astype(fmt.E4M3), scale
-  # Round to nearest even: the hardware cvt (see the module docstring).
-  return y.astype(fmt.E4M3), scale
-
-
-def quantize_rows(x_smem):
-  """A `[64, 128]` bf16 tile in shared memory -> (e4m3 values, float32 row
-  scales) in 1 x 128 blocks (`quantize_chunk`: the values and power-of-two
-  scales of `fp8.quantize`). The fp8 matmul quantizes its `a` tiles with
-  it, the transposing kernel its tiles' rows (`rows_too`).
-
-  The tile is loaded in the 8-bit wgmma layout, whose register groups hold
-  four adjacent columns (so the e4m3 values are stored 32 bits at a time,
-  not 16), and the row maxima are taken on the bf16 values (exact: |x| and
-  max lose nothing in bf16): up to 6% faster than the 16-bit wgmma layout
-  with f32 maxima, outputs bit-identical."""
-  x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA_8BIT)
-  amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
-  return quantize_chunk(x.astype(jnp.float32), amax)
-
 
 def _tile_body(
   xh, seed, rm_smem, q_smem, s_smem, *, block, row0, col0, n_cols, sr
@@ -155,7 +115,7 @@ def _tile_body(
   """Quantize one `[64, 128]` f32 tile (already Hadamard-transformed)."""
   if block == (1, 128):
     amax = jnp.max(jnp.abs(xh), axis=1)  # [64]
-    seed_b = _bcast_rows(seed, xh.shape) if sr else None
+    seed_b = bcast_rows(seed, xh.shape) if sr else None
     q, scale = quantize_chunk(
       xh, amax, sr=sr, seed_b=seed_b, row0=row0, col0=col0, n_cols=n_cols
     )
@@ -171,11 +131,11 @@ def _tile_body(
     jnp.int32, (TILE_R, 32), 0, layout=plgpu.Layout.WGMMA
   )
   top_rows = row_ids < 32
-  seed_b = _bcast_rows(seed, (TILE_R, 32)) if sr else None
+  seed_b = bcast_rows(seed, (TILE_R, 32)) if sr else None
   qs = []
   for k, xc in enumerate(chunks):
-    top = plgpu.load(rm_smem.at[k, pl.ds(0, 32)], layout=_COL)  # [32]
-    bot = plgpu.load(rm_smem.at[k, pl.ds(32, 32)], layout=_COL)
+    top = plgpu.load(rm_smem.at[k, pl.ds(0, 32)], layout=COL)  # [32]
+    bot = plgpu.load(rm_smem.at[k, pl.ds(32, 32)], layout=COL)
     both = jnp.where(
       top_rows,
       lax.broadcast_in_dim(top, (TILE_R, 32), [1]),
@@ -226,7 +186,7 @@ def _kernel(
   if sr:
     plgpu.copy_gmem_to_smem(seed_gmem, seed_smem, bar.at[1])
     plgpu.barrier_wait(bar.at[1])
-  seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
+  seed = plgpu.load(seed_smem, layout=ROW) if sr else None
 
   def body(idx, x_smem):
     (s,) = idx
@@ -329,7 +289,7 @@ def _ring_kernel(
       plgpu.copy_gmem_to_smem(seed_gmem, seed_smem, bar.at[1])
 
     plgpu.barrier_wait(bar.at[1])
-  seed = plgpu.load(seed_smem, layout=_ROW) if sr else None
+  seed = plgpu.load(seed_smem, layout=ROW) if sr else None
 
   def coords(step):
     t = worker + step * num_workers
@@ -508,7 +468,7 @@ def quantize_mgpu(
     )
   # Enough programs to fill the chip several times over; each walks `steps`
   # row tiles of one column tile through a TMA pipeline.
-  steps = _steps_per_program(row_tiles, col_tiles, num_sms)
+  steps = steps_per_program(row_tiles, col_tiles, num_sms)
   kernel = functools.partial(
     _kernel,
     block=block,
@@ -617,14 +577,3 @@ def _ring_call(
     kernel_name="fp8_quantize_ring",
     **threads,
   )(x_rc, h, seed)
-
-
-def _steps_per_program(
-  row_tiles: int, col_tiles: int, num_sms: int, per_sm: int = 4
-) -> int:
-  """Largest divisor of `row_tiles` leaving >= `per_sm` programs per SM."""
-  best = 1
-  for d in range(1, row_tiles + 1):
-    if row_tiles % d == 0 and col_tiles * (row_tiles // d) >= per_sm * num_sms:
-      best = d
-  return best

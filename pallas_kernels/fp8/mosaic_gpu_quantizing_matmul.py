@@ -6,7 +6,7 @@ read once instead of read, written as e4m3 and read again. Two quantizer
 warpgroups take the k-steps in turn: each waits for its bf16 tile (TMA),
 loads it into registers, takes the row maxima and power-of-two scales,
 writes e4m3 values and scales to shared memory
-(`mosaic_gpu_quantize.quantize_rows`), and signals the two compute
+(`mosaic_gpu.quantize_rows`), and signals the two compute
 warpgroups, which multiply as `scaled_matmul_mgpu` does
 (`mosaic_gpu_matmul.py`). It pays only for narrow outputs: every 256
 output columns quantize their `a` tile again, and one quantizer
@@ -58,13 +58,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic
-from pallas_kernels.fp8 import mosaic_gpu_quantize
-from pallas_kernels.fp8.mosaic_gpu_matmul import (
-  _ROW,
+from pallas_kernels.fp8.mosaic_gpu import (
+  F8_TILES,
+  ROW,
   Dim,
-  _out_smem,
-  _promote,
-  _store_tile,
+  epilogue_smem,
+  promote_block,
+  quantize_rows,
+  store_tile,
 )
 
 
@@ -114,15 +115,14 @@ def _quantizing_scratch(bs: QuantizingBlockSizes, out_dtype):
   """Shared memory of `quantizing_matmul_mgpu`: rings, epilogue, barriers."""
   nq, kb = bs.quantizers, 128
   cta_m, cta_n = bs.tile_m, 2 * bs.tile_n
-  f8_tiles = mosaic_gpu_quantize.F8_TILES
   f8 = jnp.float8_e4m3fn
   return [
     mosaic.smem_tile((nq * bs.stages_a, cta_m, kb), jnp.bfloat16),
-    plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((bs.stages_b, cta_n, kb), f8, transforms=F8_TILES),
     plgpu.SMEM((bs.stages_b, cta_n), jnp.float32),
-    plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=f8_tiles),
+    plgpu.SMEM((2 * nq, cta_m, kb), f8, transforms=F8_TILES),
     plgpu.SMEM((2 * nq, cta_m), jnp.float32),
-    _out_smem(bs, out_dtype),
+    epilogue_smem(bs, out_dtype),
     plgpu.Barrier(num_barriers=nq * bs.stages_a),  # a_full: 1 copy
     plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages_b),  # b_full
     # b_free: both compute warpgroups (of both CTAs when multicast).
@@ -255,7 +255,7 @@ def _quantizing_kernel(
       def _():
         plgpu.barrier_wait(q_free.at[qs])  # its step j - 2's wgmmas are done
 
-      q, scale = mosaic_gpu_quantize.quantize_rows(a_ring.at[a0 + slot])
+      q, scale = quantize_rows(a_ring.at[a0 + slot])
       qa_ring[qs] = q
       sa_ring[qs] = scale
       plgpu.commit_smem()  # (with a warpgroup barrier: every thread's)
@@ -302,8 +302,8 @@ def _quantizing_kernel(
           return p_ref[...]
 
         p = pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
-        ra = plgpu.load(sa_ring.at[qs], layout=_ROW)
-        acc = _promote(
+        ra = plgpu.load(sa_ring.at[qs], layout=ROW)
+        acc = promote_block(
           acc,
           p,
           ra,
@@ -323,7 +323,7 @@ def _quantizing_kernel(
       )
       acc = lax.fori_loop(0, k_iters, k_step, acc0)
       m_idx, n_idx = tile_coords(t)
-      _store_tile(
+      store_tile(
         acc,
         out_smem.at[wg],
         out_gmem.at[

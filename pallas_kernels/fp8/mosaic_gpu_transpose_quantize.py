@@ -18,14 +18,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fmt
-from pallas_kernels.fp8.mosaic_gpu_quantize import (
-  _COL,
+from pallas_kernels.fp8.mosaic_gpu import (
+  COL,
   F8_TILES,
   TILE_C,
   TILE_R,
-  _steps_per_program,
   quantize_chunk,
   quantize_rows,
+  steps_per_program,
 )
 
 
@@ -84,7 +84,7 @@ def _transpose_kernel(
         eye_smem.at[rows], x_smem.transpose((1, 0)), (TILE_R, TILE_C)
       )
       if scaled:
-        cs = plgpu.load(sx[0].at[0], layout=_COL)  # x's row scales
+        cs = plgpu.load(sx[0].at[0], layout=COL)  # x's row scales
         y = y * lax.broadcast_in_dim(cs, y.shape, [1])
       q, scale = quantize_chunk(y, jnp.max(jnp.abs(y), axis=1))
       q_smem.at[wg, slot, mine][...] = q
@@ -182,7 +182,7 @@ def transpose_quantize_mgpu(
   # and one CTA fills an SM's shared memory anyway (the identity, two
   # stages, two output slots: 129 KiB with bf16 input); up to 19% faster
   # than four programs per SM.
-  steps = _steps_per_program(
+  steps = steps_per_program(
     row_tiles, col_tiles, mosaic.num_sms(num_sms), per_sm=1
   )
   # Quantizing each tile both ways (rows_too), two compute warpgroups take

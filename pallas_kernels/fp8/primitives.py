@@ -31,6 +31,7 @@ from jax import lax
 from pallas_kernels import mosaic
 from pallas_kernels.fp8 import format as fmt
 from pallas_kernels.fp8 import (
+  mosaic_gpu,
   mosaic_gpu_matmul,
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
@@ -94,14 +95,14 @@ def _map_batch(fn, axis_size, in_batched, args):
 @functools.cache
 def _quantize_kernel_fn(block, hadamard, hadamard_seed, sr, r, c):
   """The kernel call on one `[r, c]` matrix, batched by folding into rows."""
-  cp = _round_up(c, mosaic_gpu_quantize.TILE_C)
+  cp = _round_up(c, mosaic_gpu.TILE_C)
   br, bc = block
 
   def one(x_rc, seed_hash):
     rows = x_rc.shape[0]
     x = jnp.pad(
       x_rc.astype(jnp.bfloat16),
-      ((0, _round_up(rows, mosaic_gpu_quantize.TILE_R) - rows), (0, cp - c)),
+      ((0, _round_up(rows, mosaic_gpu.TILE_R) - rows), (0, cp - c)),
     )
     v, se = mosaic_gpu_quantize.quantize_mgpu(
       x,
@@ -162,7 +163,7 @@ def _transpose_quantize_fn(r: int, c: int, rows_too: bool = False):
   or e4m3 with its compact scales; batched with `lax.map`. Returns the
   values and compact scales of `x^T`, and with `rows_too` (bf16) those of
   `x` quantized along its rows too."""
-  tile = mosaic_gpu_quantize.TILE_C
+  tile = mosaic_gpu.TILE_C
   rp, cp = _round_up(r, tile), _round_up(c, tile)
 
   def one(x, *scales):
@@ -261,7 +262,7 @@ def _matmul_kernel_fn(kb, out_dtype, m, n, k, b_rows, quantize_a):
       mp = _round_up(rows, cta_m)
     else:
       # Any multiple of 8 rows, at least one tile
-      # (`mosaic_gpu_matmul.row_start`).
+      # (`mosaic_gpu.row_start`).
       mp = max(_round_up(rows, 8), bs.cta_tile()[0])
     np_ = _round_up(n, cta_n)
     jp = kp // kb

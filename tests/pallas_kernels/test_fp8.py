@@ -32,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import dispatch, fp8
 from pallas_kernels.fp8 import format as fmt
 from pallas_kernels.fp8 import (
+  mosaic_gpu,
   mosaic_gpu_matmul,
   mosaic_gpu_quantize,
   mosaic_gpu_quantizing_matmul,
@@ -643,10 +644,7 @@ def test_transpose_quantize_equals_quantize_of_transpose(
   from the same read (the FP8 backward's two quantizations of `g`)."""
   # About one program per SM: 6 of one tile, 4 of three.
   assert (
-    mosaic_gpu_quantize._steps_per_program(
-      r // 128, c // 128, num_sms, per_sm=1
-    )
-    == steps
+    mosaic_gpu.steps_per_program(r // 128, c // 128, num_sms, per_sm=1) == steps
   )
   x = _data(jax.random.key(50), (r, c), jnp.bfloat16)
   # A subnormal e4m3 result and zeros (the block maximum sets the scale).

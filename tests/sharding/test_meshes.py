@@ -78,11 +78,9 @@ def _run_worker() -> dict:
 
 @pytest.mark.slow
 def test_meshes_train_like_one_device_within_tiers(subtests):
-  """One test, one worker run (80-130 s on 2 cores), a subtest per check.
-  (Nine tests sharing a module fixture had one xdist worker run it and
-  the other wait for it on a lock: 128 s of setup in one, 104 s of waiting
-  in the other, `--durations` of 2026-12-04. xdist's `--dist loadgroup`,
-  which would keep them on one worker, does not group under pytest 9.)"""
+  """One test, one worker run (80-130 s on 2 cores), a subtest per check:
+  tests sharing a module fixture left one xdist worker waiting on the
+  other's lock (docs/test_suite.md)."""
   result = _run_worker()
   for strategy in STRATEGIES:
     for devices in (8, 16):

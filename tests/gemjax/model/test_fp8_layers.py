@@ -389,9 +389,8 @@ def test_training_parity(case, tmp_path):
 
   In a fresh process with XLA:CPU's LLVM optimizations at level 1 (the
   suite turns them off, see conftest): bf16 steps run half as fast without
-  them, and 100-step runs outweigh the compile time they add (2-core machine,
-  2026-12-04: a step 0.41 s at level 0, 0.21 s at level 1; compiling the
-  train step 10.6 s against 13.4 s)."""
+  them, and 100-step runs outweigh the compile time they add
+  (docs/test_suite.md)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=1 "
