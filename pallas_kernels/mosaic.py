@@ -71,6 +71,17 @@ def resolve_interpret(interpret=None):
   return interpret_params(interpret)
 
 
+def trace_once(op, static_argnums):
+  """`op` (an op's `custom_vjp` over its kernels) under `jax.jit`, so that
+  calls with equal shapes and settings, such as the same op in every layer
+  of a model, share one trace and one lowering of its kernels: JAX caches
+  a jitted function's jaxpr, its JVP, transpose and batched forms, and
+  lowers each once per module, where a plain call traces and lowers every
+  kernel again (lowering a kernel to Mosaic GPU is Python work, tenths of
+  a second each). XLA inlines the calls, so the program is the same."""
+  return jax.jit(op, static_argnums=static_argnums)
+
+
 def interpret_params(interpret):
   """A kernel launcher's `interpret` (bool, `InterpretGPUParams` or None)
   as `plgpu.kernel` takes it: True -> default params, False / None ->

@@ -79,6 +79,7 @@ def _bwd(static, res, do):
 
 
 _block_attention.defvjp(_fwd, _bwd)
+_block_attention = mosaic.trace_once(_block_attention, static_argnums=0)
 
 
 def supported(q_tnh, k_tkh, v_tkh, block: int) -> str | None:

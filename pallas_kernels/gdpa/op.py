@@ -129,6 +129,7 @@ def _bwd(static, res, do):
 
 
 _gdpa.defvjp(_fwd, _bwd)
+_gdpa = mosaic.trace_once(_gdpa, static_argnums=0)
 
 
 def supported(q_tnh, k_skh, v_skh) -> str | None:

@@ -93,6 +93,7 @@ def _bwd(static, res, do):
 
 
 _attention.defvjp(_fwd, _bwd)
+_attention = mosaic.trace_once(_attention, static_argnums=0)
 
 
 def jagged_attention_mosaic(

@@ -92,6 +92,7 @@ def _bwd(static: _Static, res, ct):
 
 
 _rms_norm_td.defvjp(_fwd, _bwd)
+_rms_norm_td = mosaic.trace_once(_rms_norm_td, static_argnums=3)
 
 
 def rms_norm_mosaic(

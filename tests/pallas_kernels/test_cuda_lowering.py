@@ -70,6 +70,26 @@ def test_jagged_attention(case, h):
   _lowers_for_cuda(_with_grads(f), q, k, k, OFFSETS, OFFSETS, kernels=3)
 
 
+def test_layers_share_their_kernels():
+  """The same op in several layers (equal shapes and settings) lowers its
+  kernels once (`mosaic.trace_once`): three chained causal attentions and
+  RMSNorms, differentiated, hold one forward, dQ and dK/dV kernel and one
+  RMSNorm forward and backward, where each call used to lower its own."""
+  h = 64
+  q = _spec((4096, N, h))
+
+  def layers(q, k, v, qo, ko):
+    for _ in range(3):
+      o = jagged_attention_mosaic(q, k, v, qo, causal=True, interpret=False)
+      q = rms_norm_mosaic(o.reshape(-1, h), interpret=False).reshape(q.shape)
+    return q
+
+  _lowers_for_cuda(
+    _with_grads(layers), q, _spec((4096, KH, h)), _spec((4096, KH, h)),
+    OFFSETS, OFFSETS, kernels=5,
+  )  # fmt: skip
+
+
 @pytest.mark.parametrize(
   "shape", ["cross16", "cross256", "pooled", "self_gelu", "self_silu_norm"]
 )

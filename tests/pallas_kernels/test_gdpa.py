@@ -174,7 +174,8 @@ def test_cross_attention(monkeypatch, case, interpret):
     block_sizes=bs,
     interpret=interpret,
   )
-  assert seen == key_tiles
+  # In order of first use (a trace may run the forward twice).
+  assert list(dict.fromkeys(seen)) == key_tiles
 
 
 def test_key_tile_and_query_layout_choice():
