@@ -55,6 +55,14 @@ def _fresh_traces_when_patched(request):
     jax.clear_caches()
 
 
+def pytest_configure(config):
+  # xdist deals the first quarter of each worker's share in one consecutive
+  # chunk: with the slow tests sorted first, one worker would get all of
+  # them. One test at a time lets whichever worker is free take the next.
+  if getattr(config.option, "maxschedchunk", "absent") is None:
+    config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
   # Tests marked slow (the longest, 20 s to 3 min on 2 cores) first, the rest in
   # their order: xdist deals tests in collection order, so a long test
