@@ -50,7 +50,10 @@ def test_movielens_leave_one_out_reports_hr_and_ndcg(tmp_path):
   path = ml100k_path()
   cfg = config.load(
     "movielens",
-    [f"data.path={path}", "data.protocol=leave_one_out"] + SMALL,
+    [f"data.path={path}", "data.protocol=leave_one_out"]
+    + SMALL
+    # Eight held-out requests of 101 candidates per eval step, not one.
+    + ["data.token_capacity=2048", "data.cand_capacity=816"],
   )
   result = train(cfg, tmp_path / "run", devices=jax.devices()[:1])
   users = 943  # one held-out request per user, 100 negatives each
