@@ -305,10 +305,8 @@ def _same_as_shards(state, data, template, step):
         )
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def _straight(tmp_path):
   """An uninterrupted 2-process run in a shared run directory."""
-  tmp_path = tmp_path_factory.mktemp("straight")
   a = tmp_path / "a"
   assert _wait(_launch(tmp_path, "a", ["train", str(a)]), tmp_path, "a") == [
     0,
@@ -318,21 +316,26 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["shared", "per_process"])
-def test_killed_and_stopped_two_process_run_resumes_exactly(
-  tmp_path, straight, layout
-):
+def test_killed_and_stopped_two_process_run_resumes_exactly(tmp_path, subtests):
   """Run B is SIGKILLed (both processes) after its step-4 checkpoint,
   restarted, stopped by SIGTERM (a checkpoint, exit 143 within 60 s),
   restarted again, and ends bit-identical to run A, which never stopped
   (in a shared directory): parameters, optimizer state, every process's
   data position, losses, with one record per step and data counters over
-  both processes. B's run directory is shared, or one per process."""
+  both processes. B's run directory is shared, or one per process (each
+  a subtest, both against the one run A)."""
+  a = _straight(tmp_path)
+  for layout in ("shared", "per_process"):
+    with subtests.test(layout=layout):
+      _resumes_exactly(tmp_path / layout, a, layout)
+
+
+def _resumes_exactly(tmp_path, a, layout):
   import jax
 
   from gemjax.data import loader as data_loader
 
-  a = straight
+  tmp_path.mkdir()
   if layout == "shared":
     b = main = tmp_path / "b"
     saved = lambda step: (b / "checkpoints" / str(step)).exists()
