@@ -28,7 +28,6 @@ os.environ["XLA_FLAGS"] = (
   + " --xla_llvm_disable_expensive_passes=true"
 ).strip()
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels import dispatch  # noqa: E402  (imports JAX)
@@ -39,20 +38,6 @@ def pytest_collection_finish(session):
   # out of the collector's sight (see `tests/__init__.py`).
   gc.collect()
   gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_traces_when_patched(request):
-  # A test that monkeypatches what tracing reads (a kernel spy, a fake GPU)
-  # must neither meet traces cached by an earlier test nor leave its own:
-  # the kernel ops are jitted (`mosaic.trace_once`) and reuse a trace for
-  # equal shapes and settings.
-  patched = "monkeypatch" in request.fixturenames
-  if patched:
-    jax.clear_caches()
-  yield
-  if patched:
-    jax.clear_caches()
 
 
 def pytest_configure(config):

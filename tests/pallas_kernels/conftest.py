@@ -12,6 +12,7 @@ interpreter can run (its race detector) take neither; tests at real
 shapes, too slow to interpret, are marked gpu alone.
 """
 
+import jax
 import pytest
 
 
@@ -25,3 +26,17 @@ def mode(request) -> str:
 @pytest.fixture
 def interpret(mode) -> bool:
   return mode == "interpret"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces_when_patched(request):
+  # A test that monkeypatches what tracing reads (a kernel spy, a fake GPU)
+  # must neither meet traces cached by an earlier test nor leave its own:
+  # the kernel ops are jitted (`mosaic.trace_once`) and reuse a trace for
+  # equal shapes and settings.
+  patched = "monkeypatch" in request.fixturenames
+  if patched:
+    jax.clear_caches()
+  yield
+  if patched:
+    jax.clear_caches()
