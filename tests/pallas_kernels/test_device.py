@@ -89,7 +89,8 @@ def test_persistent_grids_follow_the_gpu(h20):
   bs = jagged_mg.BlockSizes()
   workers, _, counts = schedule.deal_items(items, 2, True, bs.num_sms)
   assert workers == h20 // 2
-  assert int(counts.sum()) == int((items[:, 2] > items[:, 1]).sum())
+  real = items[:, schedule.QueryItem.HI] > items[:, schedule.QueryItem.LO]
+  assert int(counts.sum()) == int(real.sum())
   workers, *_ = schedule.deal_items(items, 2, True, 132)
   assert workers == 66
 

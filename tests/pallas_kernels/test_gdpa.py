@@ -369,12 +369,13 @@ def test_work_table_covers_every_key_tile_once():
   # [0, steps) are covered exactly once by its parts; padding never runs.
   rng = np.random.default_rng(0)
   num, num_real, parts, workers = 23, 17, 3, 4
-  items = np.zeros((num, 11), np.int32)
-  items[:, 0] = np.arange(num) * 64  # query row: the item's identity
-  items[:, 9] = np.arange(num) // 3  # sequence
-  items[:, 10] = np.arange(num) + 100  # query tile id
+  Q = schedule.QueryItem
+  items = np.zeros((num, Q.TILE_ID + 1), np.int32)
+  items[:, Q.ROW] = np.arange(num) * 64  # the item's identity
+  items[:, Q.SEQ] = np.arange(num) // 3
+  items[:, Q.TILE_ID] = np.arange(num) + 100
   # Key tiles: one count per sequence, as query_items gives.
-  items[:num_real, 7] = rng.integers(0, 9, num)[items[:num_real, 9]]
+  items[:num_real, Q.STEPS] = rng.integers(0, 9, num)[items[:num_real, Q.SEQ]]
   wt, counts = fwd.work_table(
     jnp.asarray(items), num_real, parts, workers, chunk=2, mcs=2
   )
@@ -388,7 +389,9 @@ def test_work_table_covers_every_key_tile_once():
         assert key not in seen
         assert row[fwd.W_TILE] == row[fwd.W_QROW] // 64 + 100
         seen[key] = row[fwd.W_PART]
-  want = {(i * 64, j) for i in range(num_real) for j in range(items[i, 7])}
+  want = {
+    (i * 64, j) for i in range(num_real) for j in range(items[i, Q.STEPS])
+  }
   assert set(seen) == want
   assert counts.sum() == parts * num_real
   # Resident keys only within one (sequence, part) run of <= mcs tiles.
