@@ -265,9 +265,75 @@ def _acc_dtype(cfg, dtype):
 
 def _mm_bwd(cfg, res, g_mn):
   a_v, a_s, a_src, b_v, b_s, key = res
+  seed_hash = None if key is None else fmt.seed_hash_from_key(key)
+  da, db = _grads_fn(cfg)(g_mn, a_v, a_s, a_src, b_v, b_s, seed_hash)
+  # The quantized operands get no gradient (None: zero); their sources do.
+  return (None, None, da, None, None, db, None)
+
+
+def _row_blocks(cfg) -> int:
+  """Rows of `a` and of `g` that share a block scale (the least multiple
+  of both blocks' row counts)."""
+  return math.lcm(cfg.a_block[0], cfg.grad_block[0])
+
+
+@functools.cache
+def _grads_fn(cfg):
+  """`_grads` for `cfg`, batched by folding the batch into rows where the
+  right operand is shared.
+
+  Under `vmap` (the train step maps the model over data shards) a shared
+  weight's gradient must be one product over every entry's rows, as JAX's
+  transpose of a plain `dot_general` writes it: left to `vmap`, the
+  backward makes a `[entries, k, n]` weight gradient and sums it after
+  (the BF16 layers' version of that made XLA all-reduce the sum over every
+  device of the FSDP step instead of reduce-scattering it in the group;
+  see `gemjax.model.layers._weight_grad`). Folded, every row keeps its own
+  blocks (the rule folds only where no block straddles two entries), so
+  `d a` and a BF16 `d b` are those of the entries one by one; an FP8 `d b`
+  quantizes `g` and `a` along the folded rows, as for one larger batch.
+  With stochastic rounding and a shared key, the folded rows draw their own
+  bits where each entry used to repeat the same draws.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def f(g_mn, a_v, a_s, a_src, b_v, b_s, seed_hash):
+    return _grads(cfg, g_mn, a_v, a_s, a_src, b_v, b_s, seed_hash)
+
+  @f.def_vmap
+  def _rule(axis_size, in_batched, g_mn, a_v, a_s, a_src, b_v, b_s, seed):
+    args = (g_mn, a_v, a_s, a_src, b_v, b_s, seed)
+    batched = tuple(bool(b) for b in in_batched)
+    rows = g_mn.shape[-2]
+    if not any(batched[4:]) and rows % _row_blocks(cfg) == 0:
+
+      def fold(x, b):
+        """`[axis_size, r, c]` (broadcast if unbatched) as `[axis_size * r,
+        c]`; row blocks of `r` rows stay whole."""
+        if x is None:
+          return None
+        if not b:
+          x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+      folded = [fold(x, b) for x, b in zip(args[:4], batched[:4])]
+      da, db = _grads(cfg, *folded, b_v, b_s, seed)
+      if da is not None:
+        da = da.reshape(axis_size, rows, *da.shape[1:])
+      return (da, db), (da is not None, False)
+    # A weight per entry (or blocks across entries): one product each.
+    axes = tuple(0 if b else None for b in batched)
+    out = jax.vmap(functools.partial(_grads, cfg), in_axes=axes)(*args)
+    return out, tuple(o is not None for o in out)
+
+  return f
+
+
+def _grads(cfg, g_mn, a_v, a_s, a_src, b_v, b_s, seed_hash):
+  """`(d a, d b)` of the 2-D product from its output gradient `g_mn` and
+  the forward's residuals (None where not needed)."""
   keep_a, keep_b = cfg.grad_lhs, cfg.grad_rhs
   impl = _pick(cfg.implementation)
-  seed_hash = None if key is None else fmt.seed_hash_from_key(key)
   grad_block = cfg.grad_block
   fp8_dw = keep_b and cfg.grad_rhs_fp8
 
@@ -352,8 +418,7 @@ def _mm_bwd(cfg, res, g_mn):
       if a_src is None:
         db = _hadamard_undo(db, cfg)
     db = db.astype(cfg.b_dtype)
-  # The quantized operands get no gradient (None: zero); their sources do.
-  return (None, None, da, None, None, db, None)
+  return da, db
 
 
 _mm.defvjp(_mm_fwd, _mm_bwd)

@@ -528,6 +528,75 @@ def test_jit_vmap_grad_compose():
     )
 
 
+@pytest.mark.parametrize(
+  "format,grad_rhs_fp8,keep_fp8_lhs",
+  [
+    ("deepseek", False, False),
+    ("deepseek", False, True),
+    ("deepseek", True, False),
+    ("mxfp8", False, False),
+    ("mxfp8", True, False),
+  ],
+)
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_weight_gradient_under_vmap_is_one_contraction(
+  format, grad_rhs_fp8, keep_fp8_lhs, prequantized
+):
+  """The train step maps the model over data shards: a shared weight's
+  gradient must come out as one product over every shard's rows (as JAX's
+  transpose of `dot_general` writes it), never as a gradient per shard
+  summed after. So the vmapped gradient equals that of the shards' rows
+  stacked into one matrix, bit for bit, and dX equals each shard's own. A
+  weight per batch entry still gets its own gradient. Both
+  implementations' programs are checked; the values on "xla"."""
+  s, t, k, n = 4, 32, 256, 128
+  x = _data(jax.random.key(60), (s, t, k), jnp.bfloat16, spread=1.0)
+  w = _data(jax.random.key(61), (k, n), jnp.float32, spread=1.0)
+  ct = _data(jax.random.key(62), (s, t, n), jnp.float32, spread=1.0)
+
+  def loss(impl, x, w, ct):
+    if prequantized:  # as the FSDP weight hook hands it over
+      w = fp8.quantize(w, axis=0, kind="weight", format=format,
+                       implementation=impl)  # fmt: skip
+    y = fp8.fp8_dot_general(
+      x, w, (((x.ndim - 1,), (0,)), ((), ())),
+      preferred_element_type=jnp.bfloat16, format=format,
+      grad_rhs_fp8=grad_rhs_fp8, keep_fp8_lhs=keep_fp8_lhs,
+      implementation=impl,
+    )  # fmt: skip
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+  def shared(impl):
+    return jax.grad(
+      lambda x, w: jnp.sum(
+        jax.vmap(functools.partial(loss, impl), (0, None, 0))(x, w, ct)
+      ),
+      (0, 1),
+    )
+
+  for impl in ("xla", "mosaic"):
+    text = jax.jit(shared(impl)).lower(x, w).as_text()
+    for shape in (f"{s}x{k}x{n}x", f"{s}x{n}x{k}x"):
+      assert f"tensor<{shape}" not in text, (impl, shape)  # per shard
+  dx, dw = jax.jit(shared("xla"))(x, w)
+  # One product over the stacked rows.
+  rows = lambda a: a.reshape(s * t, -1)
+  dw_rows = jax.jit(jax.grad(functools.partial(loss, "xla"), 1))(
+    rows(x), w, rows(ct)
+  )
+  np.testing.assert_array_equal(dw, dw_rows)
+  ws = jnp.stack([w * (i + 1) for i in range(s)])
+  one = jax.jit(jax.grad(functools.partial(loss, "xla"), (0, 1)))
+  per = jax.jit(jax.vmap(jax.grad(functools.partial(loss, "xla"), (0, 1))))(
+    x, ws, ct
+  )
+  for i in range(s):
+    np.testing.assert_array_equal(dx[i], one(x[i], w, ct[i])[0])
+    want = one(x[i], ws[i], ct[i])
+    np.testing.assert_array_equal(per[0][i], want[0])
+    np.testing.assert_array_equal(per[1][i], want[1])
+
+
 def test_errors():
   x = _data(jax.random.key(26), (8, 64))
   w = _data(jax.random.key(27), (64, 8))
