@@ -15,8 +15,10 @@ the full weight, and the gathered tensor is bit-identical to quantizing the
 full weight. Example: `w [d_in, d_out]` quantized along `d_in` in 128x128
 ("deepseek") or 32x32 ("mxfp8") blocks, FSDP over 8 devices on `embed`
 (`d_in` for Q/K/V and the FFN's gate/up, `d_out` for O and down): d_model
-1024 (deepseek) or 256 (mxfp8) and up qualify. Otherwise the hook declines
-(returns None) and the layer quantizes the full weight itself.
+1024 (deepseek) or 256 (mxfp8) and up qualify. Otherwise the full weight
+is quantized: the hook declines (returns None) and the layer quantizes it,
+or, inside `Placement.per_shard` where the layer holds only its shard, the
+hook gathers the weight in its own precision and quantizes that.
 
 Shapes: `w_io` a weight `[d_in, d_out]`; values are stored with the
 contraction axis last, `v_oi [d_out, d_in]`, scales `s [d_out/br, d_in/bc]`.
@@ -80,9 +82,17 @@ class QuantizedGather:
     # Blocks per dimension of `w`: `bc` along the contraction axis, `br`
     # along the other (rows of the values' matrix view).
     need = {axis: math.lcm(bc, meta.hadamard or 1), other: br}
-    for d, s in enumerate(spec):
-      if s is not None and local[d] % need[d]:
-        return None  # a block would straddle two shards
+    if any(s is not None and local[d] % need[d] for d, s in enumerate(spec)):
+      # A block would straddle two shards: the full weight is quantized,
+      # by the layer (XLA gathers it), or here where `w` is this device's
+      # shard (manual): gathered in its own precision, its gradient
+      # reduce-scattered back by the gather's transpose.
+      if not self.manual:
+        return None
+      for d, s in enumerate(spec):
+        if s is not None:
+          w = lax.all_gather(w, s, axis=d, tiled=True)
+      return quantize(w)
     # Values and scales are `[other, axis]`: value dim 0 is w's `other`.
     gathers = [(0, spec[other]), (1, spec[axis])]
 

@@ -97,6 +97,42 @@ def test_hook_declines_what_it_cannot_gather():
   assert QuantizedGather(mesh)(w3, ("embed", None, "mlp"), q) is None
 
 
+def test_manual_shards_too_small_for_a_block_quantize_the_gathered_weight():
+  """Inside `Placement.per_shard` the layer holds only its shard: where a
+  block would straddle two shards, the hook gathers the weight in its own
+  precision and quantizes the full weight (not the shard as if it were the
+  whole weight), and the gradient comes back onto each shard."""
+  mesh = _mesh(8)
+  hook = QuantizedGather(mesh, manual=True)
+  axes = ("embed", "mlp")
+  w = jax.random.normal(jax.random.key(3), (64, 96))  # 8 rows per device
+  spec = hook.spec(axes, w.shape)
+  q = _quantizer("mxfp8")  # 32-row blocks
+  x = jax.random.normal(jax.random.key(4), (5, 64))
+
+  def per_device(w_local):
+    t = hook(w_local, axes, q)
+    # The product's backward routes dW to `source` (`fp8_dot_general`).
+    y = jnp.einsum("td,do->to", x, t.source)
+    return t.values.astype(jnp.float32), t.scales, jnp.sum(y * y)
+
+  f = jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=(PartitionSpec(*spec),),
+    out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()),
+    check_vma=False,
+  )
+  values, scales, _ = jax.jit(f)(w)
+  want = q(w)
+  np.testing.assert_array_equal(values, _f32(want.values))
+  np.testing.assert_array_equal(scales, want.scales)
+  grad = jax.jit(jax.grad(lambda w: f(w)[2]))(w)
+  want_grad = jax.grad(lambda w: jnp.sum(jnp.einsum("td,do->to", x, w) ** 2))
+  np.testing.assert_allclose(grad, want_grad(w), rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(grad)).max() > 1
+
+
 # ---------------------------------------------------------------------------
 # The compiled HLO.
 # ---------------------------------------------------------------------------
