@@ -21,6 +21,8 @@ backward, optimizer) of the same parameters on the same requests:
   batches of the same traffic packed into one, capacities N times larger).
 - `remat-<policy>`: `ours` with every region checkpointed by `policy`
   (`dots`, `nothing`: G9); `budget<GB>`: policies chosen under a budget.
+- `xla-<op>`: `ours` with one kernel family on its XLA reference (e.g.
+  `xla-rms_norm`: where XLA fuses the norm into its neighbours).
 - knobs combine with `+`, e.g. `batch8x+remat-nothing`.
 
 For each: step ms (median over rounds, timed in alternation:
@@ -40,6 +42,7 @@ Goals: ours >= 2.0x the padded variant's requests/s; local MFU >= 0.40.
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -74,6 +77,7 @@ from gemjax.train import flops as flops_lib  # noqa: E402
 from gemjax.train import remat as remat_lib  # noqa: E402
 from gemjax.train.loop import Trainer  # noqa: E402
 from gemjax.train.optim import make_optimizer  # noqa: E402
+from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.block_attention.reference import rope_reference  # noqa: E402
 
 NAME = "train_step"
@@ -290,7 +294,8 @@ def variant_config(base, name):
   """(config, requests-per-step factor) of a variant name: `padded`,
   `ours`, or knobs joined by `+`: `fp8`, `act8`, `batch<N>x`,
   `remat-<policy>` (every region, `gemjax.model.remat`), `budget<GB>` (a
-  `train.activation_budget_gb`)."""
+  `train.activation_budget_gb`), `xla-<op>` (that kernel family on its XLA
+  reference, e.g. `xla-rms_norm`: `xla_ops`)."""
   if name in ("ours", "padded"):
     return base, 1
   cfg, factor, regions = base, 1, ("input", "seq", "cross", "heads")
@@ -305,6 +310,8 @@ def variant_config(base, name):
       policy = knob.removeprefix("remat-")
       entries = ",".join(f"{r}={policy}" for r in regions)
       cfg = config_lib.apply_overrides(cfg, [f"model.remat={entries}"])
+    elif knob.startswith("xla-"):
+      pass  # not a config: `xla_ops` scopes the lowering
     elif budget:
       cfg = config_lib.apply_overrides(
         cfg, [f"train.activation_budget_gb={budget.group(1)}"]
@@ -324,9 +331,16 @@ def variant_config(base, name):
     else:
       raise ValueError(
         f"unknown variant knob {knob!r} in {name!r}: fp8, act8, batch<N>x, "
-        "remat-<policy>, budget<GB> (or the variants padded, ours)"
+        "remat-<policy>, budget<GB>, xla-<op> (or the variants padded, ours)"
       )
   return cfg, factor
+
+
+def xla_ops(name) -> tuple[str, ...]:
+  """The kernel families a variant's `xla-<op>` knobs put on XLA."""
+  return tuple(
+    k.removeprefix("xla-") for k in name.split("+") if k.startswith("xla-")
+  )
 
 
 def build_variants(base, names, shards, smoke):
@@ -365,8 +379,11 @@ def build_variants(base, names, shards, smoke):
       step = tr.train_step
       v.batches = [tr.to_device(b) for b in host]
     v.state = state
+    ops = xla_ops(name)
+    scope = dispatch.default_implementation("xla", ops) if ops else None
     try:
-      v.lowered = step.lower(state, v.batches[0])
+      with scope or contextlib.nullcontext():
+        v.lowered = step.lower(state, v.batches[0])
     except Exception as e:  # noqa: BLE001 - report, time the others
       print(f"  {name}: FAILED to trace: {type(e).__name__}: {e}"[:2000])
       continue

@@ -37,16 +37,20 @@ def hopper() -> bool:
 
 
 @contextlib.contextmanager
-def default_implementation(name: str | None) -> Iterator[None]:
+def default_implementation(
+  name: str | None, ops: tuple[str, ...] | None = None
+) -> Iterator[None]:
   """Inside: ops called with `implementation=None` use `name` ("xla" or
   "mosaic") where they have it, else "xla"; None restores the platform's
-  choice. Read while tracing, so jit the function inside the block."""
-  old = getattr(_DEFAULT, "name", None)
-  _DEFAULT.name = name
+  choice. `ops`: only these ops (e.g. `("rms_norm",)`, to time a model
+  with one family on XLA); None, all of them. Read while tracing, so jit
+  the function inside the block."""
+  old = getattr(_DEFAULT, "name", None), getattr(_DEFAULT, "ops", None)
+  _DEFAULT.name, _DEFAULT.ops = name, ops
   try:
     yield
   finally:
-    _DEFAULT.name = old
+    _DEFAULT.name, _DEFAULT.ops = old
 
 
 def pick(
@@ -57,6 +61,9 @@ def pick(
 ) -> Callable:
   cc = compute_capability()
   forced = getattr(_DEFAULT, "name", None)
+  scope = getattr(_DEFAULT, "ops", None)
+  if scope is not None and op not in scope:
+    forced = None
   if implementation is None and forced is not None:
     implementation = forced if forced in implementations else "xla"
   if implementation is None:

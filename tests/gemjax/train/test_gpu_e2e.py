@@ -139,3 +139,8 @@ def test_default_implementation_scopes_the_choice():
   with dispatch.default_implementation("mosaic"):
     # An op without that implementation takes its reference.
     assert dispatch.pick("op", {"xla": "ref"}, None, "mosaic") == "ref"
+  with dispatch.default_implementation("xla", ops=("other",)):
+    # Scoped to named ops: the rest keep the platform's choice.
+    assert dispatch.pick("op", impls, None, "mosaic") == platform
+    assert dispatch.pick("other", impls, None, "mosaic") == "ref"
+  assert dispatch.pick("other", impls, None, "mosaic") == platform
