@@ -381,9 +381,15 @@ def build_variants(base, names, shards, smoke):
     v.state = state
     ops = xla_ops(name)
     scope = dispatch.default_implementation("xla", ops) if ops else None
+    if ops:
+      # jit's trace cache does not key on the dispatch scope: an equal
+      # config would reuse another variant's trace, kernels and all.
+      jax.clear_caches()
     try:
       with scope or contextlib.nullcontext():
         v.lowered = step.lower(state, v.batches[0])
+      if ops:
+        jax.clear_caches()
     except Exception as e:  # noqa: BLE001 - report, time the others
       print(f"  {name}: FAILED to trace: {type(e).__name__}: {e}"[:2000])
       continue

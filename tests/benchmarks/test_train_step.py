@@ -84,3 +84,39 @@ def test_variant_knobs_combine():
   assert cfg.train.activation_budget_gb == 2.5
   with pytest.raises(ValueError, match="act8"):
     train_step.variant_config(base, "act16")
+
+
+def test_xla_knob_lowers_that_family_on_its_reference(monkeypatch):
+  """`xla-rms_norm` lowers the norms on their reference while `ours`,
+  lowered before and after it with an equal config, keeps the kernel: the
+  knob is not lost to (or leaked through) jit's trace cache."""
+  from pallas_kernels import dispatch
+  from pallas_kernels.rms_norm import op as rms_op
+
+  calls = []
+  for name, fn in list(rms_op.IMPLEMENTATIONS.items()):
+
+    def spy(*a, _name=name, _fn=fn, **k):
+      calls.append(_name)
+      return _fn(*a, **k)
+
+    monkeypatch.setitem(rms_op.IMPLEMENTATIONS, name, spy)
+  jax.clear_caches()
+  base = config.load("smoke", ["model.num_layers=1", "model.cross_layers=0"])
+  it = train_step.data_loader.Loader(base.data, num_shards=1)
+  shards = [train_step._shard0(next(it)) for _ in range(train_step.BATCHES)]
+  it.close()
+  seen = {}
+  # On CPU the default is the reference: make the kernel the default.
+  with dispatch.default_implementation("mosaic"):
+    for name in ("ours", "xla-rms_norm", "ours"):
+      calls.clear()
+      train_step.build_variants(base, [name], shards, smoke=True)
+      seen.setdefault(name, []).append(set(calls))
+  jax.clear_caches()
+  assert seen["ours"] == [{"mosaic"}, {"mosaic"}]
+  assert seen["xla-rms_norm"] == [{"xla"}]
+  assert train_step.xla_ops("batch2x+xla-rms_norm+xla-gdpa") == (
+    "rms_norm",
+    "gdpa",
+  )
