@@ -77,6 +77,7 @@ def test_smoke_run_padded_equals_ours(tmp_path):
 def test_variant_knobs_combine():
   base = config.load("smoke")
   cfg, factor = train_step.variant_config(base, "batch4x+act8+fp8+budget2.5")
+  assert train_step.variant_config(base, "fp8dw")[0].model.fp8.weight_grads
   assert factor == 4
   assert cfg.data.requests_per_shard == 4 * base.data.requests_per_shard
   assert cfg.model.saved_activations == "fp8"

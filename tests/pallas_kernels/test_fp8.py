@@ -879,9 +879,7 @@ def test_matmul_kernel_equals_reference(kb, ablk, bblk, bs, k, interpret):
     b_scale_uniform=bblk[0] == 128,
   )
   want = ref.scaled_matmul_reference(av, as_, ablk, bv, bs_, bblk)
-  np.testing.assert_allclose(
-    out, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
-  )
+  _close_fp8_sums(out, want, (av, as_, ablk, bv, bs_, bblk), interpret)
 
 
 @pytest.mark.parametrize("splits,num_sms", [(2, 2), (4, 3), (2, 132)])
@@ -998,7 +996,7 @@ _QB = mosaic_gpu_quantizing_matmul.QuantizingBlockSizes
     # program walks all three tiles.
     (192, 640, 256, 1, _QB(quantizers=1, stages_b=3), False),
     # One bf16 tile in flight per quantizer, fewer steps than ring slots.
-    (64, 128, 512, 4, _QB(stages_a=1, stages_b=4), True),
+    (64, 128, 512, 4, _QB(stages_a=1, stages_b=2), True),
     # CTAs in clusters along M multicasting the weight tiles: one cluster
     # of two walks two 128 x 256 tiles; two clusters of two, one tile
     # each, with weight scales per column; one cluster of four.
@@ -1037,9 +1035,8 @@ def test_quantizing_matmul_equals_reference(
   if not f32:
     _close_bf16(out, want)
     return
-  np.testing.assert_allclose(
-    out, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want)))
-  )
+  operands = (av, as_, (1, 128), bv, bs_, bblk)
+  _close_fp8_sums(out, want, operands, interpret)
 
 
 def test_quantizing_matmul_refuses_what_does_not_fit():
@@ -1082,6 +1079,38 @@ def test_quantizing_matmul_is_race_free(cluster_m):
       )
     )
   assert "RACE DETECTED" not in log.getvalue(), log.getvalue()[:4000]
+
+
+# Hopper's FP8 tensor-core instructions accumulate with fewer mantissa
+# bits than f32 (the reason the kernels promote each k-block's partial sum
+# into f32 registers): an f32 output may differ from the exact f32 sums
+# by a small fraction of the sum of the products' magnitudes, large beside
+# an entry whose terms cancel. The interpreter sums in f32.
+FP8_ACCUMULATION = 2.0**-9
+
+
+def _close_fp8_sums(got, want, operands, interpret):
+  """`got` against the reference's f32 sums `want` of the quantized
+  `operands` (a values, a scales, a block, b values, b scales, b block):
+  to f32 rounding in interpret mode; on the GPU within FP8_ACCUMULATION
+  of each entry's sum of absolute products."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  if interpret:
+    np.testing.assert_allclose(
+      got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+    )
+    return
+  av, as_, ablk, bv, bs_, bblk = operands
+  mag = np.asarray(
+    ref.scaled_matmul_reference(
+      jnp.abs(av.astype(jnp.float32)), as_, ablk,
+      jnp.abs(bv.astype(jnp.float32)), bs_, bblk,
+    ),
+    np.float32,
+  )  # fmt: skip
+  ratio = np.abs(got - want) / np.maximum(mag, np.finfo(np.float32).tiny)
+  print(f"fp8 accumulation: worst |error| / sum|products| = {ratio.max():.2e}")
+  assert ratio.max() <= FP8_ACCUMULATION, ratio.max()
 
 
 def _close_bf16(got, want):
