@@ -294,7 +294,7 @@ class Variant:
 
 def variant_config(base, name):
   """(config, requests-per-step factor) of a variant name: `padded`,
-  `ours`, or knobs joined by `+`: `fp8`, `act8`, `batch<N>x`,
+  `ours`, or knobs joined by `+`: `fp8`, `fp8dw`, `act8`, `batch<N>x`,
   `remat-<policy>` (every region, `gemjax.model.remat`), `budget<GB>` (a
   `train.activation_budget_gb`), `xla-<op>` (that kernel family on its XLA
   reference, e.g. `xla-rms_norm`: `xla_ops`)."""
@@ -337,8 +337,8 @@ def variant_config(base, name):
     else:
       raise ValueError(
         f"unknown variant knob {knob!r} in {name!r}: fp8, fp8dw, act8, "
-        "batch<N>x, "
-        "remat-<policy>, budget<GB>, xla-<op> (or the variants padded, ours)"
+        "batch<N>x, remat-<policy>, budget<GB>, xla-<op> (or the variants "
+        "padded, ours)"
       )
   return cfg, factor
 
@@ -388,15 +388,9 @@ def build_variants(base, names, shards, smoke):
     v.state = state
     ops = xla_ops(name)
     scope = dispatch.default_implementation("xla", ops) if ops else None
-    if ops:
-      # jit's trace cache does not key on the dispatch scope: an equal
-      # config would reuse another variant's trace, kernels and all.
-      jax.clear_caches()
     try:
       with scope or contextlib.nullcontext():
         v.lowered = step.lower(state, v.batches[0])
-      if ops:
-        jax.clear_caches()
     except Exception as e:  # noqa: BLE001 - report, time the others
       print(f"  {name}: FAILED to trace: {type(e).__name__}: {e}"[:2000])
       continue

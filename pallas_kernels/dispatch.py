@@ -43,14 +43,21 @@ def default_implementation(
   """Inside: ops called with `implementation=None` use `name` ("xla" or
   "mosaic") where they have it, else "xla"; None restores the platform's
   choice. `ops`: only these ops (e.g. `("rms_norm",)`, to time a model
-  with one family on XLA); None, all of them. Read while tracing, so jit
-  the function inside the block."""
+  with one family on XLA); None, all of them. Read while tracing; jit's
+  trace cache does not key on it, so a change of choice clears JAX's
+  caches on the way in and out (a function traced outside is traced
+  again inside, not served the other choice's trace)."""
   old = getattr(_DEFAULT, "name", None), getattr(_DEFAULT, "ops", None)
-  _DEFAULT.name, _DEFAULT.ops = name, ops
+  new = (name, ops)
+  if new != old:
+    jax.clear_caches()
+  _DEFAULT.name, _DEFAULT.ops = new
   try:
     yield
   finally:
     _DEFAULT.name, _DEFAULT.ops = old
+    if new != old:
+      jax.clear_caches()
 
 
 def pick(

@@ -144,3 +144,12 @@ def test_default_implementation_scopes_the_choice():
     assert dispatch.pick("op", impls, None, "mosaic") == platform
     assert dispatch.pick("other", impls, None, "mosaic") == "ref"
   assert dispatch.pick("other", impls, None, "mosaic") == platform
+  # A function jitted and traced outside is traced again inside, and again
+  # after: jit's cache does not serve one choice's trace to the other.
+  add = {"xla": lambda x: x + 1, "mosaic": lambda x: x + 2}
+  f = jax.jit(lambda x: dispatch.pick("op", add, None, "mosaic")(x))
+  outside = int(f(0))
+  forced = {1: "mosaic", 2: "xla"}[outside]
+  with dispatch.default_implementation(forced):
+    assert int(f(0)) == 3 - outside
+  assert int(f(0)) == outside
